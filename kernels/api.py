@@ -1,0 +1,47 @@
+"""The entry points the runtime calls; they pick the Triton kernels or the torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenlane.kernels.reference import paged_attention_ref, write_kv_cache_ref
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """auto = Triton on CUDA, the torch reference elsewhere. TOKENLANE_ATTENTION_BACKEND
+    overrides auto (tests force `triton` on the CPU under TRITON_INTERPRET=1)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get("TOKENLANE_ATTENTION_BACKEND", "auto")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto") -> None:
+    if resolve_backend(backend, key.device) == "triton":
+        from tokenlane.kernels.triton_kernels import write_kv_cache_triton
+
+        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+    out=None, backend: str = "auto",
+):
+    if resolve_backend(backend, query.device) == "triton":
+        from tokenlane.kernels.triton_kernels import paged_attention_triton
+
+        return paged_attention_triton(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+        )
+    return paged_attention_ref(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+    )

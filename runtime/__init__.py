@@ -1,0 +1,1 @@
+"""The tokenlane runtime: continuous-batching engine, model, HTTP server."""

@@ -1,0 +1,1 @@
+"""Load generator, simulated executor and report (`tokenlane bench`, `tokenlane demo`)."""

@@ -1,0 +1,488 @@
+"""The runtime configuration file (`runtime.yaml`): one validated dataclass per section.
+
+This module is the contract between the operator (which renders the file into a ConfigMap)
+and the runtime (which reads and hot-reloads it). It must import without torch: the operator
+image does not ship it. Keys in the file are camelCase, mirroring the CRD fields; attributes
+here are snake_case. User mistakes raise `ConfigError` (a `ValueError`) naming the key.
+
+Sections (DESIGN.md §3.3): `model` and `engine` need a restart to change; `scheduler`,
+`lanes` and `tenants` are hot-reloadable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+LANE_CLASSES = ("interactive", "long-context", "batch")
+POLICIES = ("decode-first", "mixed")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+EXECUTORS = ("model", "simulated")
+
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the offending key."""
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def _check(cond: bool, where: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: {message}")
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML value to the annotated type, or raise ConfigError naming `where`."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], where)
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, where)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        _check(isinstance(value, list), where, f"expected a list, got {type(value).__name__}")
+        return [_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _check(isinstance(value, dict), where, f"expected a mapping, got {type(value).__name__}")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is bool:
+        _check(isinstance(value, bool), where, f"expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        _check(ok, where, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok, where, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), where, f"expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {tp!r} at {where}")
+
+
+def _from_dict(cls: type, data: Any, where: str) -> Any:
+    _check(isinstance(data, dict), where, f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    by_key = {_camel(f.name): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(by_key))
+    _check(not unknown, where, f"unknown key(s) {unknown}; known: {sorted(by_key)}")
+    kwargs = {}
+    for key, value in data.items():
+        f = by_key[key]
+        kwargs[f.name] = _convert(value, hints[f.name], f"{where}.{key}")
+    missing = [
+        _camel(f.name)
+        for f in dataclasses.fields(cls)
+        if f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    ]
+    _check(not missing, where, f"missing required key(s) {missing}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}.{exc}") from None
+
+
+def _to_dict(obj: Any) -> Any:
+    """camelCase dict of a config dataclass, dropping None values (canonical form)."""
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is None:
+                continue
+            out[_camel(f.name)] = _to_dict(value)
+        return out
+    if isinstance(obj, list):
+        return [_to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _positive(value: Optional[float], key: str, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    ok = value >= 0 if allow_zero else value > 0
+    _check(ok, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """`model:` — which checkpoint to serve (restart to change)."""
+
+    path: str  # local Hugging Face checkpoint folder (config.json + safetensors + tokenizer)
+    served_name: Optional[str] = None  # name in the API; default: the folder's name
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    max_model_len: Optional[int] = None  # prompt + output cap; default: the checkpoint's
+    tokenizer: Optional[str] = None  # tokenizer folder if not `path`
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "path", "must not be empty")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _positive(self.max_model_len, "maxModelLen")
+
+    @property
+    def name(self) -> str:
+        return self.served_name or Path(self.path.rstrip("/")).name
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`engine:` — memory layout and execution mode (restart to change)."""
+
+    block_size: int = 16  # tokens per KV block
+    kv_cache_blocks: Optional[int] = None  # explicit pool size; else from gpuMemoryUtilization
+    gpu_memory_utilization: float = 0.90  # share of device memory for weights + KV cache
+    cpu_kv_cache_gib: float = 1.0  # KV pool size on CPU when kvCacheBlocks is not set
+    continuous_batching: bool = True  # false = request-level static batching (rollback lever)
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch reference on CPU
+    executor: str = "model"  # simulated = cost-model step times (benchmarks, no weights run)
+    simulator_profile: Optional[str] = None  # cost-model profile name for executor=simulated
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.block_size <= 256, "blockSize", f"must be in [1, 256], got {self.block_size}")
+        _check(
+            self.block_size & (self.block_size - 1) == 0,
+            "blockSize",
+            f"must be a power of two, got {self.block_size}",
+        )
+        _positive(self.kv_cache_blocks, "kvCacheBlocks")
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpuMemoryUtilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _positive(self.cpu_kv_cache_gib, "cpuKvCacheGib")
+        _check(self.device in DEVICES, "device", f"must be one of {DEVICES}")
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attentionBackend",
+            f"must be one of {ATTENTION_BACKENDS}",
+        )
+        _check(self.executor in EXECUTORS, "executor", f"must be one of {EXECUTORS}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """`scheduler:` — global budgets (hot-reloadable). Lanes may cap them further."""
+
+    max_active_sequences: int = 128  # running sequences per step
+    max_waiting_requests: int = 512  # queued requests over all lanes
+    max_batched_tokens: int = 8192  # tokens per step (decodes + prefill chunks)
+    max_model_len: Optional[int] = None  # optional extra cap on prompt + output tokens
+    prefill_chunk_size: int = 2048  # largest prefill chunk per request per step
+    policy: str = "decode-first"  # decode-first | mixed
+    queue_timeout_ms: int = 30000  # a request waiting longer gets 504
+    stream_idle_timeout_ms: int = 10000  # a stalled stream consumer is cancelled after this
+    kv_cache_high_watermark: float = 0.88  # above: no new prefills start
+    kv_cache_reject_watermark: float = 0.95  # above: new requests get 503
+
+    def __post_init__(self) -> None:
+        for key in (
+            "max_active_sequences",
+            "max_waiting_requests",
+            "max_batched_tokens",
+            "prefill_chunk_size",
+            "queue_timeout_ms",
+            "stream_idle_timeout_ms",
+        ):
+            _positive(getattr(self, key), _camel(key))
+        _positive(self.max_model_len, "maxModelLen")
+        _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        _check(
+            self.prefill_chunk_size <= self.max_batched_tokens,
+            "prefillChunkSize",
+            f"({self.prefill_chunk_size}) must be <= maxBatchedTokens ({self.max_batched_tokens})",
+        )
+        _check(
+            self.max_active_sequences <= self.max_batched_tokens,
+            "maxActiveSequences",
+            f"({self.max_active_sequences}) must be <= maxBatchedTokens "
+            f"({self.max_batched_tokens}): every running sequence needs one token per step",
+        )
+        _check(
+            0.0 < self.kv_cache_high_watermark < self.kv_cache_reject_watermark <= 1.0,
+            "kvCacheHighWatermark",
+            "must satisfy 0 < kvCacheHighWatermark < kvCacheRejectWatermark <= 1, got "
+            f"{self.kv_cache_high_watermark} and {self.kv_cache_reject_watermark}",
+        )
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """A lane's latency targets (milliseconds, 95th percentile)."""
+
+    ttft_p95_ms: Optional[float] = None
+    tpot_p95_ms: Optional[float] = None
+    e2e_p95_ms: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for key in ("ttft_p95_ms", "tpot_p95_ms", "e2e_p95_ms"):
+            _positive(getattr(self, key), _camel(key))
+
+
+@dataclass(frozen=True)
+class LaneMatch:
+    """Classifier rules, tried in lane order when a request names no lane."""
+
+    min_prompt_tokens: Optional[int] = None  # prompts at least this long go here
+    max_prompt_tokens: Optional[int] = None
+    tenants: list[str] = field(default_factory=list)  # requests of these tenants go here
+    headers: dict[str, str] = field(default_factory=dict)  # header name -> exact value
+
+    def __post_init__(self) -> None:
+        _positive(self.min_prompt_tokens, "minPromptTokens")
+        _positive(self.max_prompt_tokens, "maxPromptTokens")
+        if self.min_prompt_tokens and self.max_prompt_tokens:
+            _check(
+                self.min_prompt_tokens <= self.max_prompt_tokens,
+                "minPromptTokens",
+                "must be <= maxPromptTokens",
+            )
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.min_prompt_tokens or self.max_prompt_tokens or self.tenants or self.headers)
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """One traffic class: its own queue, share of the step, caps and SLO."""
+
+    name: str
+    lane_class: str = "interactive"  # key `class` in the file
+    priority: int = 50  # higher is served first among lanes with work
+    weight: float = 1.0  # fair share of the token budget among lanes of equal priority
+    default: bool = False  # requests matching no rule go here
+    max_active_sequences: Optional[int] = None  # caps on the global budgets for this lane
+    max_batched_tokens: Optional[int] = None
+    prefill_chunk_size: Optional[int] = None
+    max_waiting_requests: Optional[int] = None
+    queue_timeout_ms: Optional[int] = None
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    match: LaneMatch = field(default_factory=LaneMatch)
+
+    def __post_init__(self) -> None:
+        _check(bool(_NAME_RE.match(self.name)), "name", f"{self.name!r} is not a DNS-1123 label")
+        _check(
+            self.lane_class in LANE_CLASSES,
+            "class",
+            f"must be one of {LANE_CLASSES}, got {self.lane_class!r}",
+        )
+        _check(0 <= self.priority <= 1000, "priority", f"must be in [0, 1000], got {self.priority}")
+        _positive(self.weight, "weight")
+        for key in (
+            "max_active_sequences",
+            "max_batched_tokens",
+            "prefill_chunk_size",
+            "max_waiting_requests",
+            "queue_timeout_ms",
+        ):
+            _positive(getattr(self, key), _camel(key))
+        if self.prefill_chunk_size and self.max_batched_tokens:
+            _check(
+                self.prefill_chunk_size <= self.max_batched_tokens,
+                "prefillChunkSize",
+                "must be <= the lane's maxBatchedTokens",
+            )
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """A team calling the API: its key (stored as a SHA-256 hex digest) and allowed lanes."""
+
+    name: str
+    api_key_sha256: Optional[str] = None
+    default_lane: Optional[str] = None
+    lanes: list[str] = field(default_factory=list)  # allowed lanes; empty = all
+
+    def __post_init__(self) -> None:
+        _check(bool(_NAME_RE.match(self.name)), "name", f"{self.name!r} is not a DNS-1123 label")
+        if self.api_key_sha256 is not None:
+            _check(
+                bool(_SHA256_RE.match(self.api_key_sha256)),
+                "apiKeySha256",
+                "must be 64 lowercase hex characters (sha256 of the key)",
+            )
+
+
+@dataclass(frozen=True)
+class LaneBudgets:
+    """A lane's effective budgets: its caps applied to the global ones (derived, not parsed)."""
+
+    max_active_sequences: int
+    max_batched_tokens: int
+    prefill_chunk_size: int
+    max_waiting_requests: int
+    queue_timeout_ms: int
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The whole `runtime.yaml`."""
+
+    model: ModelConfig
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lanes: list[LaneConfig] = field(default_factory=list)
+    tenants: list[TenantConfig] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.lanes:
+            # No lanes declared: one implicit default lane, so the runtime always has one.
+            object.__setattr__(self, "lanes", [LaneConfig(name="default", default=True)])
+        names = [lane.name for lane in self.lanes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        _check(not dupes, "lanes", f"duplicate lane name(s) {dupes}")
+        defaults = [lane.name for lane in self.lanes if lane.default]
+        _check(len(defaults) <= 1, "lanes", f"more than one default lane: {defaults}")
+        tenant_names = [t.name for t in self.tenants]
+        dupes = sorted({n for n in tenant_names if tenant_names.count(n) > 1})
+        _check(not dupes, "tenants", f"duplicate tenant name(s) {dupes}")
+        for i, tenant in enumerate(self.tenants):
+            for lane in tenant.lanes:
+                _check(lane in names, f"tenants[{i}].lanes", f"unknown lane {lane!r}; lanes: {names}")
+            if tenant.default_lane is not None:
+                _check(
+                    tenant.default_lane in names,
+                    f"tenants[{i}].defaultLane",
+                    f"unknown lane {tenant.default_lane!r}",
+                )
+                _check(
+                    not tenant.lanes or tenant.default_lane in tenant.lanes,
+                    f"tenants[{i}].defaultLane",
+                    f"{tenant.default_lane!r} is not among the tenant's lanes {tenant.lanes}",
+                )
+        for i, lane in enumerate(self.lanes):
+            for tenant in lane.match.tenants:
+                _check(
+                    tenant in tenant_names,
+                    f"lanes[{i}].match.tenants",
+                    f"unknown tenant {tenant!r}",
+                )
+
+    # ---- derived views
+
+    @property
+    def default_lane(self) -> LaneConfig:
+        return next((lane for lane in self.lanes if lane.default), self.lanes[0])
+
+    def lane(self, name: str) -> LaneConfig:
+        for lane in self.lanes:
+            if lane.name == name:
+                return lane
+        raise KeyError(name)
+
+    def lane_budgets(self, name: str) -> LaneBudgets:
+        lane, glob = self.lane(name), self.scheduler
+
+        def cap(lane_value: Optional[int], global_value: int) -> int:
+            return global_value if lane_value is None else min(lane_value, global_value)
+
+        return LaneBudgets(
+            max_active_sequences=cap(lane.max_active_sequences, glob.max_active_sequences),
+            max_batched_tokens=cap(lane.max_batched_tokens, glob.max_batched_tokens),
+            prefill_chunk_size=min(
+                cap(lane.prefill_chunk_size, glob.prefill_chunk_size),
+                cap(lane.max_batched_tokens, glob.max_batched_tokens),
+            ),
+            max_waiting_requests=cap(lane.max_waiting_requests, glob.max_waiting_requests),
+            # A lane's queue timeout replaces the global one (batch lanes wait longer).
+            queue_timeout_ms=lane.queue_timeout_ms or glob.queue_timeout_ms,
+        )
+
+    @property
+    def auth_enabled(self) -> bool:
+        return any(t.api_key_sha256 for t in self.tenants)
+
+    # ---- (de)serialisation
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "RuntimeConfig":
+        if isinstance(data, dict):
+            data = dict(data)
+            data["lanes"] = [_rename_class(x) for x in data.get("lanes") or []]
+        return _from_dict(cls, data, "config")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = _to_dict(self)
+        for lane in out.get("lanes", []):
+            lane["class"] = lane.pop("laneClass")
+        return out
+
+    def restart_fields(self) -> dict[str, Any]:
+        """The fields that only take effect on a restart (model and engine sections)."""
+        out = self.to_dict()
+        return {"model": out["model"], "engine": out.get("engine", {})}
+
+    def restart_hash(self) -> str:
+        """Hash of the restart-only fields: the operator puts it on the pod template."""
+        canonical = json.dumps(self.restart_fields(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def reloadable_changes_only(self, new: "RuntimeConfig") -> bool:
+        return self.restart_fields() == new.restart_fields()
+
+
+def _rename_class(lane: Any) -> Any:
+    # `class` is a Python keyword: the attribute is `lane_class`.
+    if isinstance(lane, dict) and "class" in lane:
+        lane = dict(lane)
+        if "laneClass" in lane:
+            raise ConfigError("config.lanes: give `class`, not `laneClass`")
+        lane["laneClass"] = lane.pop("class")
+    return lane
+
+
+def loads_config(text: str) -> RuntimeConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: not valid YAML: {exc}") from None
+    return RuntimeConfig.from_dict(data)
+
+
+def load_config(path: str | Path) -> RuntimeConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from None
+    return loads_config(text)
+
+
+def dumps_config(config: RuntimeConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()

@@ -1,0 +1,63 @@
+"""The contract between scheduler and executor: one step's plan, and what comes back.
+
+The scheduler (pure Python) returns a `StepPlan`; the executor turns it into flat batch
+tensors, runs the model and samples; it returns an `ExecutorOutput`, which goes back to the
+scheduler through its single `update_from_output` method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenlane.runtime.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step."""
+
+    request: Request
+    # First token position computed this step (== request.num_computed_tokens at planning).
+    start: int
+    # Tokens computed this step: 1 for a decode, up to the prefill chunk size for a prefill.
+    num_tokens: int
+    # True when the chunk reaches the last known token, so a new token is sampled for it.
+    # False for a prefill chunk that stops inside the prompt.
+    sample: bool
+
+
+@dataclass
+class StepPlan:
+    # Chunks in batch order: decodes first, then prefill chunks (decode-first policy).
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Requests evicted this step by recompute; their blocks are already freed.
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that ended outside the model this step (cancelled, timed out, rejected);
+    # the executor drops any per-request state (e.g. sampling generators) it holds for them.
+    finished: list[Request] = field(default_factory=list)
+    # Sum of num_tokens over chunks; never above the step's token budget.
+    num_batched_tokens: int = 0
+    # Block ids to copy before the step (copy-on-write of a shared last block): (src, dst).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if c.start < c.request.num_prompt_tokens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_prefill_tokens
+
+
+@dataclass
+class ExecutorOutput:
+    # request_id -> the token sampled this step (only for chunks with sample=True).
+    sampled: dict[str, int] = field(default_factory=dict)
+    # request_id -> error message, for requests the executor could not run (finished as error).
+    errors: dict[str, str] = field(default_factory=dict)
+    # Wall (or simulated) seconds the model step took; feeds deadline estimates and metrics.
+    step_seconds: float = 0.0

@@ -1,0 +1,134 @@
+"""A request's lifecycle: status enum, finish reasons, sampling parameters and timestamps.
+
+Pure Python (no torch): the scheduler and the benchmarks' simulated executor use it too.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status at or after FINISHED_STOPPED is final."""
+
+    WAITING = 0  # in its lane's queue, never scheduled (or waiting again after preemption)
+    RUNNING = 1  # in the running set: holds KV blocks, gets tokens each step
+    PREEMPTED = 2  # evicted by recompute: blocks freed, back at the head of its lane's queue
+    FINISHED_STOPPED = 3  # EOS, stop token id or stop string
+    FINISHED_LENGTH = 4  # max_tokens or the model length
+    FINISHED_CANCELLED = 5  # client abort / disconnect / stream idle timeout
+    FINISHED_TIMEOUT = 6  # waited in the queue longer than its lane's queue timeout
+    FINISHED_REJECTED = 7  # refused by admission (queue full, KV watermark, deadline)
+    FINISHED_ERROR = 8  # internal error while running this request
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    REJECTED = "rejected"
+    ERROR = "error"
+
+
+FINISH_REASON_OF_STATUS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_CANCELLED: FinishReason.CANCELLED,
+    RequestStatus.FINISHED_TIMEOUT: FinishReason.TIMEOUT,
+    RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: Optional[int] = None  # per-request generator seed (reproducible sampling)
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (checked on decoded text)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    lane: str = "default"
+    tenant: str = "default"
+    priority: int = 0  # within a lane: higher first; across lanes the lane's priority rules
+    deadline: Optional[float] = None  # absolute time.monotonic() by which it must finish
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_id: Optional[int] = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    block_ids: list[int] = field(default_factory=list)  # the block table, in order
+    num_preemptions: int = 0
+    finish_reason: Optional[FinishReason] = None
+    finish_detail: str = ""  # e.g. the rejection reason: queue_full, kv_watermark, deadline
+
+    # Timestamps (time.monotonic()); they feed TTFT, TPOT, queue delay, prefill/decode time.
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: Optional[float] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known so far (prompt + generated); the next step computes up to this."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def finish(self, status: RequestStatus, detail: str = "", now: Optional[float] = None) -> None:
+        assert status.is_finished, status
+        self.status = status
+        self.finish_reason = FINISH_REASON_OF_STATUS[status]
+        self.finish_detail = detail
+        self.finish_time = time.monotonic() if now is None else now

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs everything the demo and the tests need, from nothing: a virtualenv in .venv with
+# tokenlane and its extras, and (with --system) Debian's prometheus for the integration tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--system" ]]; then
+  if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+    echo "setup: installing Debian's prometheus (apt-get)" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null
+    apt-get install -y -q --no-install-recommends prometheus >/dev/null
+  fi
+fi
+
+PYTHON=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  echo "setup: creating .venv" >&2
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/pip install -q --disable-pip-version-check --upgrade pip
+# torch first and pinned: 2.13.0 is the CPU build on local disk; anything else pulls GBs.
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install -q --disable-pip-version-check ".[runtime,triton,operator,bench,test]"
+echo "setup: ready (.venv)" >&2

@@ -1,0 +1,33 @@
+"""Shared fixtures. Area fixtures live in tests/<area>/conftest.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    # Two cores: keep torch from oversubscribing when tests run next to servers.
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("TOKENLANE_TEST_TORCH_THREADS", "2")))
+    except ImportError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight Llama checkpoint with a real tokenizer (built once per session)."""
+    from tokenlane.runtime.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """The Qwen2 variant (qkv bias, tied embeddings)."""
+    from tokenlane.runtime.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
