@@ -38,6 +38,8 @@ class ConfigError(ValueError):
 
 
 def _camel(name: str) -> str:
+    if name == "lane_class":  # `class` is a Python keyword
+        return "class"
     head, *rest = name.split("_")
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
@@ -428,16 +430,10 @@ class RuntimeConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> "RuntimeConfig":
-        if isinstance(data, dict):
-            data = dict(data)
-            data["lanes"] = [_rename_class(x) for x in data.get("lanes") or []]
         return _from_dict(cls, data, "config")
 
     def to_dict(self) -> dict[str, Any]:
-        out = _to_dict(self)
-        for lane in out.get("lanes", []):
-            lane["class"] = lane.pop("laneClass")
-        return out
+        return _to_dict(self)
 
     def restart_fields(self) -> dict[str, Any]:
         """The fields that only take effect on a restart (model and engine sections)."""
@@ -451,16 +447,6 @@ class RuntimeConfig:
 
     def reloadable_changes_only(self, new: "RuntimeConfig") -> bool:
         return self.restart_fields() == new.restart_fields()
-
-
-def _rename_class(lane: Any) -> Any:
-    # `class` is a Python keyword: the attribute is `lane_class`.
-    if isinstance(lane, dict) and "class" in lane:
-        lane = dict(lane)
-        if "laneClass" in lane:
-            raise ConfigError("config.lanes: give `class`, not `laneClass`")
-        lane["laneClass"] = lane.pop("class")
-    return lane
 
 
 def loads_config(text: str) -> RuntimeConfig:
