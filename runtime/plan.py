@@ -8,6 +8,7 @@ scheduler through its single `update_from_output` method.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional, Protocol
 
 from tokenlane.runtime.request import Request
 
@@ -32,8 +33,9 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Requests evicted this step by recompute; their blocks are already freed.
     preempted: list[Request] = field(default_factory=list)
-    # Requests that ended outside the model this step (cancelled, timed out, rejected);
-    # the executor drops any per-request state (e.g. sampling generators) it holds for them.
+    # Requests that reached a final status since the previous plan (finished, cancelled,
+    # timed out, errored); the executor drops any per-request state it holds for them
+    # (e.g. sampling generators).
     finished: list[Request] = field(default_factory=list)
     # Sum of num_tokens over chunks; never above the step's token budget.
     num_batched_tokens: int = 0
@@ -61,3 +63,15 @@ class ExecutorOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Wall (or simulated) seconds the model step took; feeds deadline estimates and metrics.
     step_seconds: float = 0.0
+
+
+class Executor(Protocol):
+    """Runs one step's plan: the model executor (executor.py) or the simulated one (bench)."""
+
+    block_size: int  # tokens per KV block (from engine.blockSize)
+    num_kv_blocks: int  # KV pool size the executor allocated (or simulates)
+    eos_token_id: Optional[int]  # None: the model has no EOS (simulated executor)
+
+    def execute(self, plan: StepPlan) -> ExecutorOutput:
+        """Copy blocks, write K/V, run attention over the chunks, sample where sample=True."""
+        ...
