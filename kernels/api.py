@@ -9,6 +9,7 @@ import torch
 from tokenlane.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 BACKENDS = ("auto", "torch", "triton")
+BACKEND_ENV = "TOKENLANE_ATTENTION_BACKEND"
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -17,13 +18,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = os.environ.get("TOKENLANE_ATTENTION_BACKEND", "auto")
+        backend = os.environ.get(BACKEND_ENV, "auto") or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
+        backend = "triton" if torch.device(device).type == "cuda" else "torch"
     return backend
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto") -> None:
+    """Scatter K/V `[T, Hkv, D]` into the paged caches at `slot_mapping` (< 0 = skip)."""
     if resolve_backend(backend, key.device) == "triton":
         from tokenlane.kernels.triton_kernels import write_kv_cache_triton
 
@@ -34,12 +38,25 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: st
 
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-    out=None, backend: str = "auto",
+    out=None, backend: str = "auto", *, max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ):
+    """Attention of a flat batch of variable-length queries over their paged contexts.
+
+    `max_query_len` / `max_seq_len` are optional host-side values of the batch metadata: with
+    them the Triton launcher picks its tiling without a device-to-host sync."""
     if resolve_backend(backend, query.device) == "triton":
         from tokenlane.kernels.triton_kernels import paged_attention_triton
 
         return paged_attention_triton(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+        )
+    if query.device.type == "cpu":
+        # Same contract as the reference, fused SDPA per sequence (kernels/cpu_attention.py).
+        from tokenlane.kernels.cpu_attention import paged_attention_cpu
+
+        return paged_attention_cpu(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
         )
     return paged_attention_ref(

@@ -66,8 +66,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be in [0, 2**31) (0 disables it), got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            # the range torch.Generator.manual_seed accepts
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,205 @@
+"""The asyncio front of the engine, for the HTTP server.
+
+A background task runs the step loop; each `LLMEngine.step()` runs in one dedicated worker
+thread so the event loop stays responsive while the model computes. Each request gets a
+`RequestStream` (an async iterator over its `RequestOutput`s, backed by an asyncio queue).
+`submit` runs admission synchronously (so the server can answer 429/503 at once); `abort`
+takes effect at the next step boundary, where the request's KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import Optional
+
+from tokenlane.runtime.admission import AdmissionError
+from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.engine import LLMEngine, RequestOutput
+from tokenlane.runtime.request import FinishReason, Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Async iterator of one request's outputs; the last one has finished=True."""
+
+    def __init__(self, request: Request, owner: "AsyncEngine") -> None:
+        self.request_id = request.request_id
+        self.request = request
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._done = False  # the final output was handed to the consumer
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        if output.finished:
+            self._done = True
+        return output
+
+    def abort(self) -> None:
+        """Cancel the request (client went away); its final output still arrives."""
+        if not self._done:
+            self._owner.abort(self.request_id)
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def _put(self, output: RequestOutput) -> None:
+        self._queue.put_nowait(output)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, RequestStream] = {}
+        self._wakeup: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._stopping = False
+        self.started = False
+        self.draining = False
+        self.healthy = True
+        self.error: Optional[BaseException] = None  # why the loop died, if it did
+        # While idle the loop still ticks this often, so queue timeouts fire without traffic.
+        self.idle_tick_s = 0.05
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig) -> "AsyncEngine":
+        return cls(LLMEngine.from_config(config))
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.draining and self.healthy
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._wakeup = asyncio.Event()
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenlane-step")
+        self._task = asyncio.create_task(self._run(), name="tokenlane-engine-loop")
+        self.started = True
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Drain: refuse new work (503 "draining"), let in-flight requests finish for up to
+        `grace_s`, abort the rest, then stop the loop."""
+        self.draining = True
+        if self._task is None:
+            return
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while self.engine.has_unfinished_requests() and self.healthy and not self._task.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(0.02, left))
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id, RequestStatus.FINISHED_CANCELLED, "shutdown")
+        self._stopping = True
+        self._wake()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=max(5.0, grace_s))
+        except asyncio.TimeoutError:
+            self._task.cancel()
+        self._fail_streams("engine stopped")  # anything the loop could not finish
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: Request) -> RequestStream:
+        """Admit the request (raises AdmissionError at once) and return its output stream."""
+        if self.draining or self._stopping:
+            raise AdmissionError(503, "draining", "the server is shutting down", retry_after_s=1.0)
+        if not self.healthy:
+            raise AdmissionError(503, "unavailable", f"the engine has stopped: {self.error}", 1.0)
+        if request.request_id in self._streams:
+            raise AdmissionError(400, "invalid", f"request id {request.request_id!r} is in use")
+        stream = RequestStream(request, self)
+        self.engine.add_request(request)  # raises AdmissionError
+        self._streams[request.request_id] = stream
+        self._wake()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self.engine.abort_request(request_id, RequestStatus.FINISHED_CANCELLED, "cancelled")
+            self._wake()
+
+    def reload_config(self, new: RuntimeConfig) -> None:
+        self.engine.reload_config(new)
+        self._wake()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        try:
+            while True:
+                if self._stopping and not engine.has_unfinished_requests():
+                    break
+                if not engine.has_pending_work():
+                    self._wakeup.clear()
+                    if not engine.has_pending_work():  # re-check: a submit may have raced
+                        try:
+                            await asyncio.wait_for(self._wakeup.wait(), self.idle_tick_s)
+                        except asyncio.TimeoutError:
+                            pass
+                        continue
+                outputs = await loop.run_in_executor(self._worker, engine.step)
+                self._dispatch(outputs)
+                if engine.last_step_tokens == 0 and engine.has_unfinished_requests():
+                    # Work exists but none could run (e.g. waiting on memory): don't spin.
+                    self._wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), self.idle_tick_s / 10)
+                    except asyncio.TimeoutError:
+                        pass
+        except Exception as exc:  # the executor is broken: fail loudly, stay down
+            log.exception("engine loop crashed")
+            self.healthy = False
+            self.error = exc
+            self._fail_streams(f"engine error: {exc}")
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        for output in outputs:
+            stream = streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream._put(output)
+            if output.finished:
+                del streams[output.request_id]
+
+    def _fail_streams(self, message: str) -> None:
+        for request_id, stream in list(self._streams.items()):
+            request = stream.request
+            stream._put(
+                RequestOutput(
+                    request_id=request_id,
+                    lane=request.lane,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason=FinishReason.ERROR,
+                    finish_detail=message,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        self._streams.clear()

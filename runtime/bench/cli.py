@@ -1,0 +1,300 @@
+"""`tokenlane bench`: drive an endpoint, simulate at scale, compare configurations.
+
+    tokenlane bench run --url http://127.0.0.1:8000 --traffic traffic.yaml
+    tokenlane bench simulate --scenario continuous-vs-static
+    tokenlane bench simulate --config runtime.yaml --traffic traffic.yaml --phase static:engine.continuousBatching=false
+    tokenlane bench compare --config runtime.yaml --traffic traffic.yaml \\
+        --phase continuous --phase static:engine.continuousBatching=false
+
+Every command prints the table (and ratios between phases) and writes <out>/<stem>.json and
+<out>/<stem>.png. Traffic comes from a YAML spec (keys of trace.TrafficSpec) or the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from tokenlane.runtime.bench import report
+from tokenlane.runtime.bench.trace import LaneMix, TrafficSpec, build_requests, load_spec
+
+
+def _traffic_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("traffic (ignored with --traffic, except --seed)")
+    g.add_argument("--traffic", help="traffic spec YAML (trace.TrafficSpec keys)")
+    g.add_argument("--source", choices=["trace", "synthetic"], default="synthetic")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    g.add_argument("--rate", type=float, default=2.0, help="synthetic: requests/s (Poisson)")
+    g.add_argument("--time-scale", type=float, default=None, help="trace: speed-up factor")
+    g.add_argument("--target-rate", type=float, default=None, help="trace: scale time to this mean rate")
+    g.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt/output lengths")
+    g.add_argument("--max-prompt-tokens", type=int, default=None)
+    g.add_argument("--max-output-tokens", type=int, default=None)
+    g.add_argument("--lane", action="append", default=[], metavar="NAME[:SHARE[:PROMPT[:OUTPUT]]]",
+                   help="traffic class, e.g. interactive:0.7:short:short (repeatable; default: router decides)")
+    g.add_argument("--stream-share", type=float, default=1.0)
+    g.add_argument("--cancel-share", type=float, default=0.0)
+    g.add_argument("--deadline-share", type=float, default=0.0)
+    g.add_argument("--deadline-ms", type=float, default=10000.0)
+    g.add_argument("--max-requests", type=int, default=None)
+
+
+def _lane_mix(text: str) -> LaneMix:
+    parts = text.split(":")
+    mix = LaneMix(lane=parts[0] or None)
+    if len(parts) > 1:
+        mix.share = float(parts[1])
+    if len(parts) > 2:
+        mix.prompt = parts[2]
+    if len(parts) > 3:
+        mix.output = parts[3]
+    return mix
+
+
+def spec_from_args(args: argparse.Namespace) -> TrafficSpec:
+    if args.traffic:
+        spec = load_spec(args.traffic)
+        if args.seed is not None:
+            spec.seed = args.seed
+        return spec
+    return TrafficSpec(
+        source=args.source,
+        seed=args.seed or 0,
+        duration_s=args.duration,
+        max_requests=args.max_requests,
+        rate_rps=args.rate,
+        time_scale=args.time_scale,
+        target_rate_rps=args.target_rate,
+        length_scale=args.length_scale,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        lanes=[_lane_mix(x) for x in args.lane] or [LaneMix(lane=None)],
+        stream_share=args.stream_share,
+        cancel_share=args.cancel_share,
+        deadline_share=args.deadline_share,
+        deadline_ms=args.deadline_ms,
+    )
+
+
+def _phase_spec(text: str) -> tuple[str, list[str]]:
+    """'static:engine.continuousBatching=false,scheduler.policy=mixed' -> name, overrides."""
+    name, _, rest = text.partition(":")
+    if not name:
+        raise ValueError(f"phase {text!r} needs a name")
+    return name, [o for o in rest.split(",") if o]
+
+
+def _patched(config_data: dict, overrides: list[str]) -> dict:
+    from tokenlane.runtime.bench.serve_proc import parse_override, set_path
+
+    data = copy.deepcopy(config_data)
+    for o in overrides:
+        key, value = parse_override(o)
+        set_path(data, key, value)
+    return data
+
+
+def _finish(out: Path, stem: str, results: list[report.RunResult], meta: dict, title: str,
+            include_records: bool = True, ratios: bool = True) -> None:
+    text, json_path, png = report.write_all(out, stem, results, meta, title, include_records)
+    if not ratios:  # the caller prints its own headline ratios
+        text = report.format_table([report.summarize(r) for r in results])
+    if results and results[0].description:
+        print(f"traffic: {results[0].description}")
+    print(text)
+    for r in results:
+        if r.extra:
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.extra.items()}
+            print(f"{r.name}: {json.dumps(shown)}")
+    print(f"\nwrote {json_path} and {png}")
+
+
+# --------------------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tokenlane.runtime.bench.loadgen import Target, run_load
+
+    spec = spec_from_args(args)
+    traffic = build_requests(spec)
+    print(f"traffic: {traffic.describe()}")
+    slos = _slos_from_file(args.config) if args.config else {}
+    target = Target(args.url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,
+                    prompt_mode=args.prompt_mode, send_ignore_eos=not args.no_ignore_eos)
+    result = asyncio.run(run_load(target, traffic, args.name, slos=slos, max_requests=args.max_requests or 10_000,
+                                  time_limit_s=args.time_limit, progress=not args.no_progress))
+    _finish(Path(args.out), args.stem or "bench-run", [result], {"command": "run", "spec": spec.to_dict()},
+            f"tokenlane bench run against {args.url}")
+    return 0
+
+
+def _slos_from_file(path: str) -> dict[str, report.LaneSLO]:
+    from tokenlane.runtime.config import load_config
+
+    return report.slos_from_config(load_config(path))
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tokenlane.runtime.bench import scenarios
+    from tokenlane.runtime.bench.sim import simulate
+
+    t0 = time.perf_counter()
+    if args.scenario:
+        kwargs: dict[str, Any] = {}
+        if args.time_scale is not None:
+            kwargs["time_scale"] = args.time_scale
+        if args.duration_set:
+            kwargs["duration_s"] = args.duration
+        if args.seed is not None:
+            kwargs["seed"] = args.seed
+        scenario = scenarios.SCENARIOS[args.scenario](**kwargs)
+        phases = scenario.phases
+        title, stem = scenario.title, args.stem or f"sim-{scenario.name}"
+        pairs = scenario.ratio_pairs
+    else:
+        if not args.config:
+            print("tokenlane bench simulate: give --scenario or --config", file=sys.stderr)
+            return 2
+        from tokenlane.runtime.config import RuntimeConfig
+
+        base = yaml.safe_load(Path(args.config).read_text())
+        base.setdefault("engine", {})["executor"] = "simulated"
+        traffic = build_requests(spec_from_args(args))
+        specs = [_phase_spec(p) for p in args.phase] or [("sim", [])]
+        phases = [scenarios.Phase(name, RuntimeConfig.from_dict(_patched(base, ov)), traffic) for name, ov in specs]
+        title, stem, pairs = f"simulated: {args.config}", args.stem or "sim", []
+    results = []
+    for ph in phases:
+        results.append(simulate(ph.config, ph.traffic, ph.name, progress=not args.no_progress, slos=ph.slos))
+    wall = time.perf_counter() - t0
+    meta = {"command": "simulate", "scenario": args.scenario, "wall_seconds": wall,
+            "phase_traffic": {ph.name: ph.traffic.describe() for ph in phases}}
+    out = Path(args.out)
+    _finish(out, stem, results, meta, title, include_records=args.records, ratios=not pairs)
+    if pairs:
+        summaries = {s["name"]: s for s in (report.summarize(r) for r in results)}
+        print(format_pairs(summaries, pairs))
+    print(f"simulated {sum(len(ph.traffic.requests) for ph in phases)} requests in {wall:.1f} s wall")
+    return 0
+
+
+def format_pairs(summaries: dict[str, dict], pairs: list[tuple[str, str]]) -> str:
+    lines = ["headline ratios:"]
+    for a, b in pairs:
+        sa, sb = summaries[a], summaries[b]
+        for lane in ["all"] + sorted(set(sa["lanes"]) & set(sb["lanes"])):
+            da = sa["all"] if lane == "all" else sa["lanes"][lane]
+            db = sb["all"] if lane == "all" else sb["lanes"][lane]
+            g = report.ratio(da["goodput_rps"], db["goodput_rps"])
+            t = report.ratio(da["ttft_s"]["p95"], db["ttft_s"]["p95"])
+            lines.append(
+                f"  {a} vs {b} [{lane}]: goodput {'-' if g is None else f'{g:.2f}x'} "
+                f"({da['goodput_rps']:.2f} vs {db['goodput_rps']:.2f} req/s), TTFT p95 "
+                f"{'-' if t is None else f'{t:.2f}x'} ({report._ms(da['ttft_s']['p95'])} vs {report._ms(db['ttft_s']['p95'])} ms)"
+            )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tokenlane.runtime.bench.loadgen import Target, run_load
+    from tokenlane.runtime.bench.serve_proc import ServerProcess
+    from tokenlane.runtime.config import RuntimeConfig
+
+    base = yaml.safe_load(Path(args.config).read_text())
+    specs = [_phase_spec(p) for p in args.phase] or [("continuous", []), ("static", ["engine.continuousBatching=false"])]
+    spec = spec_from_args(args)
+    traffic = build_requests(spec)
+    print(f"traffic: {traffic.describe()}")
+    out = Path(args.out)
+    results = []
+    for name, overrides in specs:
+        data = _patched(base, overrides)
+        config = RuntimeConfig.from_dict(data)  # validate before starting anything
+        print(f"phase {name}: starting tokenlane serve ({', '.join(overrides) or 'config as given'})")
+        with ServerProcess(data, out, name) as server:
+            target = Target(server.url, api_key=args.api_key)
+            results.append(asyncio.run(run_load(target, traffic, name, slos=report.slos_from_config(config),
+                                                time_limit_s=args.time_limit, progress=not args.no_progress)))
+        print(f"phase {name}: server stopped (exit {server.exit_code}) in {server.stop_seconds:.1f} s")
+    _finish(out, args.stem or "bench-compare", results, {"command": "compare", "spec": spec.to_dict(),
+                                                          "phases": dict(specs)}, f"tokenlane bench compare: {args.config}")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenlane bench", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--out", default="out/bench", help="output folder (default out/bench)")
+        sp.add_argument("--stem", default=None, help="file name stem for JSON/PNG")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    r = sub.add_parser("run", help="drive an OpenAI-compatible endpoint on loopback")
+    r.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8000 (loopback only)")
+    r.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    r.add_argument("--api-key", default=None)
+    r.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    r.add_argument("--prompt-mode", choices=["tokens", "text"], default="tokens")
+    r.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (plain OpenAI)")
+    r.add_argument("--config", default=None, help="runtime.yaml to read lane SLOs from (for goodput)")
+    r.add_argument("--name", default="run")
+    r.add_argument("--time-limit", type=float, default=600.0)
+    common(r)
+    _traffic_args(r)
+    r.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("simulate", help="in-process engine + simulated GPU on a virtual clock")
+    s.add_argument("--scenario", choices=["continuous-vs-static", "lanes-flood"], default=None)
+    s.add_argument("--config", default=None, help="runtime.yaml (executor forced to simulated)")
+    s.add_argument("--phase", action="append", default=[], metavar="NAME[:key=value,...]",
+                   help="a phase with config overrides, e.g. static:engine.continuousBatching=false")
+    s.add_argument("--records", action="store_true", help="include every request record in the JSON")
+    common(s)
+    _traffic_args(s)
+    s.set_defaults(func=cmd_simulate)
+
+    c = sub.add_parser("compare", help="restart `tokenlane serve` per phase with config overrides")
+    c.add_argument("--config", required=True, help="base runtime.yaml")
+    c.add_argument("--phase", action="append", default=[], metavar="NAME[:key=value,...]",
+                   help="default: continuous, then static:engine.continuousBatching=false")
+    c.add_argument("--api-key", default=None)
+    c.add_argument("--time-limit", type=float, default=600.0)
+    common(c)
+    _traffic_args(c)
+    c.set_defaults(func=cmd_compare)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.duration_set = any(a == "--duration" or a.startswith("--duration=") for a in argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"tokenlane bench: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""The synchronous engine: admission, the step loop, and output processing.
+
+    def step(self):
+        self._apply_staged()                       # new requests, aborts, config reload
+        plan = self.scheduler.schedule()           # who runs how many tokens
+        output = self._execute(plan)               # model (or simulated) step
+        got_token = self.scheduler.update_from_output(plan, output)
+        return self._outputs(plan, output, got_token)   # text, stop strings, observers
+
+`add_request`, `abort_request` and `reload_config` only stage their change (under a small
+lock) so the asyncio front may call them while a step runs in its worker thread; the change
+takes effect at the next step boundary. Admission checks run at once, in `add_request`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from tokenlane.runtime.admission import (
+    AdmissionError,
+    AdmissionLimits,
+    StepTimeEstimator,
+    check_load,
+    check_request_shape,
+)
+from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.plan import Executor, ExecutorOutput, StepPlan
+from tokenlane.runtime.request import FinishReason, Request, RequestStatus
+from tokenlane.runtime.scheduler import Scheduler
+from tokenlane.runtime.stats import EngineObserver, LaneStepStats, StepStats
+
+log = logging.getLogger(__name__)
+
+# A step failing this many times in a row means the executor is broken: raise (unhealthy).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    lane: str
+    new_token_ids: list[int]
+    new_text: str  # incremental detokenized text ("" without tokenizer)
+    finished: bool
+    finish_reason: Optional[FinishReason]
+    finish_detail: str  # e.g. "queue_timeout", "stop_string", "eos", rejection reason
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class _TextState:
+    """One request's streamed text: incremental detokenizer plus stop-string hold-back.
+
+    Text that could be the start of a stop string is held back until it is clear either
+    way, so a client never receives part of a stop string."""
+
+    def __init__(self, tokenizer: Any, request: Request) -> None:
+        from tokenlane.runtime.tokenizer import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self.stop = [s for s in request.sampling_params.stop if s]
+        self.text = ""  # all decoded output text
+        self.sent = 0  # characters of `text` already emitted
+
+    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+        """(text to emit now, True if a stop string ended the request)."""
+        from tokenlane.runtime.tokenizer import find_stop_string
+
+        delta = self.detok.add_tokens(token_ids)
+        self.text += delta
+        if not self.stop:
+            return self._emit(len(self.text)), False
+        found = find_stop_string(self.text, self.stop, len(delta))
+        if found is not None:
+            self.text = self.text[: found[0]]
+            return self._emit(len(self.text)), True
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return self._emit(len(self.text) - hold), False
+
+    def finish(self) -> str:
+        """Everything still held back (the request ended without a stop string)."""
+        self.text += self.detok.flush()
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent : upto]
+        self.sent = upto
+        return out
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        executor: Executor,
+        tokenizer: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.max_model_len: int = self._max_model_len(config)
+        self.scheduler = Scheduler(
+            config,
+            executor.num_kv_blocks,
+            executor.block_size,
+            max_model_len=self.max_model_len,
+            clock=clock,
+        )
+        self.limits = AdmissionLimits(self.max_model_len, executor.num_kv_blocks, executor.block_size)
+        self.estimator = StepTimeEstimator()
+        self.observers: list[EngineObserver] = []
+        self._lock = threading.Lock()  # guards the staged changes below
+        self._staged: list[Request] = []
+        self._staged_ids: set[str] = set()
+        self._staged_per_lane: dict[str, int] = {}
+        self._aborts: list[tuple[str, RequestStatus, str]] = []
+        self._pending_config: Optional[RuntimeConfig] = None
+        self._text: dict[str, _TextState] = {}
+        self._failures = 0
+        self._prefix_counters = (0, 0)
+        self.last_step_tokens = 0  # tokens the last step ran (0: nothing was runnable)
+
+    def _max_model_len(self, config: RuntimeConfig) -> int:
+        """The smallest of the model's, the config's and the executor's length limits."""
+        limits = [
+            v
+            for v in (
+                config.model.max_model_len,
+                config.scheduler.max_model_len,  # hot-reloadable
+                getattr(self.executor, "max_model_len", None),
+            )
+            if v
+        ]
+        if not limits:
+            raise ValueError("no model length known: set model.maxModelLen")
+        return min(limits)
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig, clock: Callable[[], float] = time.monotonic) -> "LLMEngine":
+        if config.engine.executor == "simulated":
+            from tokenlane.runtime.bench.simulator import SimulatedExecutor
+
+            return cls(config, SimulatedExecutor(config), tokenizer=None, clock=clock)
+        from tokenlane.runtime.executor import ModelExecutor
+        from tokenlane.runtime.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
+        return cls(config, ModelExecutor(config), tokenizer=tokenizer, clock=clock)
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, request: Request) -> None:
+        """Admit a request (raises AdmissionError with status and reason) and queue it for
+        the next step. Fills in the lane (the default lane for "default") and EOS id."""
+        try:
+            self._admit(request)
+        except AdmissionError as exc:
+            request.finish(RequestStatus.FINISHED_REJECTED, exc.reason, now=self.clock())
+            self._notify_finished(request)
+            raise
+
+    def _admit(self, request: Request) -> None:
+        if request.eos_token_id is None:
+            request.eos_token_id = getattr(self.executor, "eos_token_id", None)
+        check_request_shape(request, self.limits)
+        scheduler = self.scheduler
+        with self._lock:  # config and lanes change only under it (at the step boundary)
+            config = self.config
+            if request.lane not in scheduler.lanes:
+                if request.lane != "default":
+                    names = [lane.name for lane in config.lanes]
+                    raise AdmissionError(400, "invalid", f"unknown lane {request.lane!r}; lanes: {names}")
+                request.lane = config.default_lane.name
+            budgets = config.lane_budgets(request.lane)
+            rid = request.request_id
+            if rid in self._staged_ids or rid in scheduler.requests:
+                raise AdmissionError(400, "invalid", f"request id {rid!r} is already in use")
+            check_load(
+                request,
+                waiting_total=scheduler.num_waiting + len(self._staged),
+                waiting_in_lane=scheduler.num_waiting_in(request.lane)
+                + self._staged_per_lane.get(request.lane, 0),
+                max_waiting_total=config.scheduler.max_waiting_requests,
+                max_waiting_lane=budgets.max_waiting_requests,
+                kv_usage=scheduler.kv.usage,
+                kv_reject_watermark=config.scheduler.kv_cache_reject_watermark,
+                estimator=self.estimator,
+                now=self.clock(),
+            )
+            request.status = RequestStatus.WAITING
+            self._staged.append(request)
+            self._staged_ids.add(rid)
+            self._staged_per_lane[request.lane] = self._staged_per_lane.get(request.lane, 0) + 1
+
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_CANCELLED, detail: str = ""
+    ) -> None:
+        """End a request in any state at the next step boundary (its blocks are freed there)."""
+        assert status.is_finished, status
+        with self._lock:
+            self._aborts.append((request_id, status, detail or "cancelled"))
+
+    def reload_config(self, new: RuntimeConfig) -> None:
+        """Stage a new config (budgets, lanes, tenants) for the next step boundary.
+        ValueError if a restart-only (model/engine) field differs."""
+        if not isinstance(new, RuntimeConfig):
+            raise ValueError(f"expected a RuntimeConfig, got {type(new).__name__}")
+        if not self.config.reloadable_changes_only(new):
+            changed = sorted(
+                k
+                for section in ("model", "engine")
+                for k in set(self.config.restart_fields()[section]) | set(new.restart_fields()[section])
+                if self.config.restart_fields()[section].get(k) != new.restart_fields()[section].get(k)
+            )
+            message = f"model/engine fields changed ({', '.join(changed)}): a restart is needed"
+            for observer in self.observers:
+                observer.on_config_applied(new, False, message)
+            raise ValueError(message)
+        with self._lock:
+            self._pending_config = new
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self.observers.append(observer)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.requests or self._staged or self._aborts)
+
+    def has_pending_work(self) -> bool:
+        """Anything for `step()` to do: requests, or a staged config reload."""
+        return self.has_unfinished_requests() or self._pending_config is not None
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        self._apply_staged()
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        output = self._execute(plan)
+        t2 = time.perf_counter()
+        got_token = self.scheduler.update_from_output(plan, output)
+        schedule_seconds = (t1 - t0) + (time.perf_counter() - t2)
+        outputs = self._outputs(got_token)
+        self.last_step_tokens = plan.num_batched_tokens
+        self._report_step(plan, output, schedule_seconds)
+        return outputs
+
+    def _apply_staged(self) -> None:
+        """Config reload, then new requests, then aborts (an abort of a request submitted in
+        the same interval finds it). Under the lock: a concurrent add_request sees each
+        request either staged or queued, never neither (duplicate ids, queue limits)."""
+        scheduler = self.scheduler
+        with self._lock:
+            config, self._pending_config = self._pending_config, None
+            if config is not None:
+                scheduler.apply_config(config)
+                self.config = config
+                self.max_model_len = scheduler.max_model_len = self._max_model_len(config)
+                self.limits = dataclasses.replace(self.limits, max_model_len=self.max_model_len)
+            for request in self._staged:
+                if request.lane not in scheduler.lanes:  # its lane went away in a reload
+                    request.lane = self.config.default_lane.name
+                scheduler.add_request(request)
+            self._staged = []
+            self._staged_ids.clear()
+            self._staged_per_lane.clear()
+            aborts, self._aborts = self._aborts, []
+        if config is not None:
+            for observer in self.observers:
+                observer.on_config_applied(config, True, "applied at step boundary")
+        for request_id, status, detail in aborts:
+            request = scheduler.requests.get(request_id)
+            if request is not None:
+                scheduler.finish_request(request, status, detail)
+
+    def _execute(self, plan: StepPlan) -> ExecutorOutput:
+        if not plan.chunks:
+            return ExecutorOutput()
+        try:
+            output = self.executor.execute(plan)
+        except Exception as exc:
+            # The step's requests fail; every other request keeps going.
+            self._failures += 1
+            log.exception("executor step failed (%d in a row)", self._failures)
+            output = ExecutorOutput(errors={c.request.request_id: f"executor error: {exc}" for c in plan.chunks})
+            if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            return output
+        self._failures = 0
+        return output
+
+    def _outputs(self, got_token: list) -> list[RequestOutput]:
+        """RequestOutputs of this step: new tokens and text, then every final status."""
+        scheduler = self.scheduler
+        by_id: dict[str, RequestOutput] = {}
+        outputs: list[RequestOutput] = []
+        tokenizer = self.tokenizer
+        for request in got_token:
+            new_text = ""
+            if tokenizer is not None:
+                state = self._text.get(request.request_id)
+                if state is None:
+                    state = self._text[request.request_id] = _TextState(tokenizer, request)
+                new_text, stopped = state.add(request.output_token_ids[-1:])
+                if stopped:
+                    if request.is_finished:  # finished by length in the same token
+                        request.finish(RequestStatus.FINISHED_STOPPED, "stop_string", now=request.finish_time)
+                    else:
+                        scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, "stop_string")
+            out = self._output(request, request.output_token_ids[-1:], new_text)
+            by_id[request.request_id] = out
+            outputs.append(out)
+        for request in scheduler.drain_finished():
+            state = self._text.pop(request.request_id, None)
+            tail = state.finish() if state is not None and request.finish_detail != "stop_string" else ""
+            out = by_id.get(request.request_id)
+            if out is None:
+                out = self._output(request, [], tail)
+                outputs.append(out)
+            else:
+                out.new_text += tail
+            out.finished = True
+            out.finish_reason = request.finish_reason
+            out.finish_detail = request.finish_detail
+            self._notify_finished(request)
+        return outputs
+
+    @staticmethod
+    def _output(request: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            lane=request.lane,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+            finished=False,
+            finish_reason=None,
+            finish_detail="",
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    # ------------------------------------------------------------------ observers
+
+    def _notify_finished(self, request: Request) -> None:
+        for observer in self.observers:
+            try:
+                observer.on_request_finished(request)
+            except Exception:
+                log.exception("observer %r failed", observer)
+
+    def _report_step(self, plan: StepPlan, output: ExecutorOutput, schedule_seconds: float) -> None:
+        prefill = plan.num_prefill_tokens
+        decode = plan.num_batched_tokens - prefill
+        self.estimator.observe(output.step_seconds, prefill, decode)
+        if not self.observers:
+            return
+        stats = self.snapshot()
+        stats.step_seconds = output.step_seconds
+        stats.schedule_seconds = schedule_seconds
+        stats.num_batched_tokens = plan.num_batched_tokens
+        stats.num_prefill_tokens = prefill
+        stats.num_decode_tokens = decode
+        stats.num_preemptions = len(plan.preempted)
+        kv = self.scheduler.kv
+        queries, hits = self._prefix_counters
+        stats.prefix_cache_queries = kv.prefix_queries - queries
+        stats.prefix_cache_hits = kv.prefix_hits - hits
+        self._prefix_counters = (kv.prefix_queries, kv.prefix_hits)
+        for chunk in plan.chunks:
+            lane = stats.lanes.get(chunk.request.lane)
+            if lane is not None:
+                lane.scheduled_tokens += chunk.num_tokens
+        for observer in self.observers:
+            try:
+                observer.on_step(stats)
+            except Exception:
+                log.exception("observer %r failed", observer)
+
+    def snapshot(self) -> StepStats:
+        """Current KV and queue occupancy (no step numbers)."""
+        scheduler = self.scheduler
+        kv = scheduler.kv
+        lanes = {
+            name: LaneStepStats(running=lane.num_running, waiting=scheduler.num_waiting_in(name))
+            for name, lane in scheduler.lanes.items()
+        }
+        with self._lock:
+            for request in self._staged:
+                if request.lane in lanes:
+                    lanes[request.lane].waiting += 1
+        return StepStats(
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            lanes=lanes,
+        )

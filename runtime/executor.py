@@ -1,0 +1,288 @@
+"""The model executor: a StepPlan in, sampled tokens out.
+
+Per step it copies shared blocks (copy-on-write), lays all scheduled chunks out as one flat
+batch (token ids, positions, slot mapping, block tables, sequence and query lengths), runs
+the model once, computes logits only for the positions that sample, and samples.
+
+It owns the device, the weights and the paged KV pool; the scheduler owns which blocks
+each request holds (`request.block_ids`), the executor only reads and writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tokenlane.kernels.api import resolve_backend
+from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.model import AttentionMetadata, CausalLM, kv_cache_bytes_per_block
+from tokenlane.runtime.plan import ExecutorOutput, ScheduledChunk, StepPlan
+from tokenlane.runtime.sampler import Sampler, make_generator
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def select_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("engine.device is 'cuda' but no CUDA device is available")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return DTYPES[name]
+
+
+class ModelExecutor:
+    """Implements the `Executor` protocol (runtime/plan.py) with the real model."""
+
+    def __init__(self, config: RuntimeConfig):
+        self.config = config
+        self.device = select_device(config.engine.device)
+        self.dtype = select_dtype(config.model.dtype, self.device)
+        self.block_size = config.engine.block_size
+        self.backend = resolve_backend(config.engine.attention_backend, self.device)
+        model_path = Path(config.model.path)
+        if not model_path.is_dir():
+            raise ValueError(f"model.path {config.model.path!r} is not a folder")
+        self.model = CausalLM.from_pretrained(model_path, dtype=self.dtype, device=self.device)
+        self.args = self.model.args
+        self.vocab_size = self.args.vocab_size
+        self.eos_token_id: Optional[int] = self.args.eos_token_id
+        # Longest context: the checkpoint's positions, or less if the config says so.
+        # Mistral's sliding window is not implemented; within it attention is identical.
+        limit = self.args.max_position_embeddings
+        if config.model.max_model_len:
+            if config.model.max_model_len > limit:
+                raise ValueError(
+                    f"model.maxModelLen {config.model.max_model_len} exceeds the checkpoint's "
+                    f"max_position_embeddings {limit}"
+                )
+            limit = config.model.max_model_len
+        if self.args.sliding_window and self.args.sliding_window < limit:
+            log.warning("capping the model length at the sliding window (%d)", self.args.sliding_window)
+            limit = self.args.sliding_window
+        self.max_model_len = limit
+
+        self.num_kv_blocks = self._pool_size()
+        shape = (self.num_kv_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.args.num_layers)
+        ]
+        self.sampler = Sampler(self.device, seed=config.engine.seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    # ---- KV pool sizing
+
+    def _pool_size(self) -> int:
+        engine = self.config.engine
+        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
+        if engine.kv_cache_blocks:
+            return engine.kv_cache_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = self._profile_activation_bytes()
+            budget = total * engine.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - peak
+            blocks = int(budget // per_block)
+            if blocks <= 0:
+                raise ValueError(
+                    f"no memory left for the KV cache at gpuMemoryUtilization="
+                    f"{engine.gpu_memory_utilization} (weights + activations take "
+                    f"{(total * engine.gpu_memory_utilization - budget) / 2**30:.2f} GiB)"
+                )
+            return blocks
+        blocks = int(engine.cpu_kv_cache_gib * 2**30 // per_block)
+        if blocks <= 0:
+            raise ValueError(f"engine.cpuKvCacheGib={engine.cpu_kv_cache_gib} holds no block")
+        return blocks
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak activation memory of the largest step (vLLM-style profiling run)."""
+        tokens = min(self.config.scheduler.max_batched_tokens, self.max_model_len)
+        n_blocks = -(-tokens // self.block_size)
+        shape = (n_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device))
+                  for _ in range(self.args.num_layers)]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=pos.clone(),
+            block_tables=torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None],
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            num_paged_tokens=tokens,
+            max_query_len=tokens,
+            max_seq_len=tokens,
+            fresh_query_lens=[],
+            all_seq_lens=[tokens],
+            all_query_lens=[tokens],
+            backend=self.backend,
+        )
+        max_seqs = self.config.scheduler.max_active_sequences
+        self.model(ids, pos, caches, meta, torch.arange(min(max_seqs, tokens), device=self.device))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del caches
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- one step
+
+    def execute(self, plan: StepPlan) -> ExecutorOutput:
+        t0 = time.perf_counter()
+        for request in plan.finished:
+            self.generators.pop(request.request_id, None)
+        output = ExecutorOutput()
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
+        chunks = [c for c in plan.chunks if self._check_chunk(c, output.errors)]
+        if chunks:
+            self._run(chunks, output)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        output.step_seconds = time.perf_counter() - t0
+        return output
+
+    def _check_chunk(self, chunk: ScheduledChunk, errors: dict[str, str]) -> bool:
+        """Bad input of one request becomes that request's error, never a crashed step."""
+        request = chunk.request
+        end = chunk.start + chunk.num_tokens
+        if end > self.max_model_len:
+            errors[request.request_id] = (
+                f"context of {end} tokens exceeds the model's maximum length {self.max_model_len}"
+            )
+            return False
+        ids = self._chunk_token_ids(chunk)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            errors[request.request_id] = (
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+            return False
+        assert len(request.block_ids) * self.block_size >= end, (
+            f"request {request.request_id}: {len(request.block_ids)} blocks cannot hold {end} tokens"
+        )
+        return True
+
+    @staticmethod
+    def _chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
+        request, start, n = chunk.request, chunk.start, chunk.num_tokens
+        prompt = request.prompt_token_ids
+        if start + n <= len(prompt):
+            return prompt[start : start + n]
+        if start >= len(prompt):
+            out_start = start - len(prompt)
+            return request.output_token_ids[out_start : out_start + n]
+        return (prompt + request.output_token_ids)[start : start + n]
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
+
+    def _run(self, chunks: list[ScheduledChunk], output: ExecutorOutput) -> None:
+        use_sdpa = self.backend == "torch"
+        # Paged chunks first (decodes, chunks with cached context), then fresh prefills.
+        if use_sdpa:
+            paged = [c for c in chunks if c.start > 0]
+            fresh = [c for c in chunks if c.start == 0]
+        else:
+            paged, fresh = chunks, []
+        ordered = paged + fresh
+        bs = self.block_size
+
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_rows: list[int] = []
+        sampled_chunks: list[ScheduledChunk] = []
+        offset = 0
+        for c in ordered:
+            n, start = c.num_tokens, c.start
+            token_ids += self._chunk_token_ids(c)
+            blocks = c.request.block_ids
+            if n == 1:
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                rng = range(start, start + n)
+                positions += rng
+                slots += [blocks[p // bs] * bs + p % bs for p in rng]
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            offset += n
+            if c.sample:
+                logits_rows.append(offset - 1)
+                sampled_chunks.append(c)
+
+        dev = self.device
+        n_paged_seqs = len(paged)
+        n_paged_tokens = sum(query_lens[:n_paged_seqs])
+        if n_paged_seqs:
+            max_blocks = max(-(-seq_lens[i] // bs) for i in range(n_paged_seqs))
+            table = [c.request.block_ids[:max_blocks] for c in paged]
+            table = [row + [0] * (max_blocks - len(row)) for row in table]
+            block_tables = torch.tensor(table, dtype=torch.int32, device=dev)
+            qsl = [0]
+            for q in query_lens[:n_paged_seqs]:
+                qsl.append(qsl[-1] + q)
+        else:
+            block_tables = torch.zeros((0, 1), dtype=torch.int32, device=dev)
+            qsl = [0]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=block_tables,
+            seq_lens=torch.tensor(seq_lens[:n_paged_seqs], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            num_paged_tokens=n_paged_tokens,
+            max_query_len=max(query_lens[:n_paged_seqs], default=0),
+            max_seq_len=max(seq_lens[:n_paged_seqs], default=0),
+            fresh_query_lens=query_lens[n_paged_seqs:],
+            all_seq_lens=seq_lens,
+            all_query_lens=query_lens,
+            backend=self.backend,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if not sampled_chunks:
+            # Prefill chunks that stop inside their prompts: K/V only, no logits needed.
+            self.model(input_ids, pos, self.kv_caches, meta, torch.zeros(0, dtype=torch.long, device=dev))
+            return
+        logits = self.model(
+            input_ids, pos, self.kv_caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=dev)
+        )
+        params = [c.request.sampling_params for c in sampled_chunks]
+        generators = [self._generator(c) for c in sampled_chunks]
+        tokens = self.sampler(logits, params, generators)
+        for c, token in zip(sampled_chunks, tokens):
+            output.sampled[c.request.request_id] = token
+
+    def _generator(self, chunk: ScheduledChunk) -> Optional[torch.Generator]:
+        params = chunk.request.sampling_params
+        if params.seed is None or params.greedy:
+            return None
+        rid = chunk.request.request_id
+        if rid not in self.generators:
+            self.generators[rid] = make_generator(params.seed, self.device)
+        return self.generators[rid]

@@ -1,0 +1,270 @@
+"""The OpenAI wire format: request and response bodies of the completions and chat APIs.
+
+(Streaming chunks are built as plain dicts in server.py, on the hot path.)
+
+Pydantic models only (no engine logic). Requests accept what OpenAI's API accepts for the
+features we implement; parameters we do not implement (n > 1, logprobs, echo, best_of,
+penalties, tools...) are refused with a 400 that names them rather than silently ignored,
+so a client never gets a different answer from the one it asked for. Unknown fields are
+ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+INT32_MAX = 2**31 - 1
+
+
+class APIError(Exception):
+    """An error that the server answers in OpenAI's shape with the given HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: Optional[str] = None,
+        param: Optional[str] = None,
+        retry_after_s: Optional[float] = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type: str, code: Optional[str], param: Optional[str] = None) -> dict:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # 0 or -1 disable top-k (vLLM accepts -1); the engine uses 0. Values past the vocabulary
+    # mean "all", but must fit the sampler's integer tensors.
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch generators take
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0, le=INT32_MAX)]]] = Field(default=None, max_length=64)
+    ignore_eos: bool = False  # extension: generate exactly max_tokens tokens
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = Field(default=1, ge=1)
+    priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)  # extension: higher first within its lane
+    user: Optional[str] = None
+
+    # Accepted only at the values that mean "off": anything else is refused (never ignored).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[Any] = None
+    top_logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        if isinstance(value, str):
+            value = [value]
+        if value is not None:
+            if len(value) > 16:
+                raise ValueError("at most 16 stop strings")
+            if any(s == "" for s in value):
+                raise ValueError("stop strings must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.n != 1:
+            raise ValueError("n > 1 is not supported; send n separate requests")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        if self.logprobs not in (None, False, 0) or self.top_logprobs:
+            raise ValueError("logprobs are not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        # A list of one prompt is the same as the prompt; a batch needs one request each.
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError(
+                    f"a batch of {len(value)} prompts is not supported; send one prompt per request"
+                )
+            value = value[0]
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            if any(not 0 <= t <= INT32_MAX for t in value):
+                raise ValueError("token ids must be in [0, 2**31)")
+        elif value == "":
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported_completion(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _unsupported_chat(self):
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenlane"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

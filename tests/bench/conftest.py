@@ -1,0 +1,25 @@
+"""Fixtures for the benchmark tests: a real `tokenlane serve` on the tiny model (loopback)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir, tmp_path_factory):
+    from tokenlane.runtime.bench.serve_proc import ServerProcess
+
+    config = {
+        "model": {"path": str(tiny_model_dir), "servedName": "tiny", "maxModelLen": 1024},
+        "engine": {"kvCacheBlocks": 256, "blockSize": 16, "device": "cpu"},
+        "scheduler": {"maxActiveSequences": 8, "maxBatchedTokens": 256, "prefillChunkSize": 128},
+        "lanes": [
+            {"name": "interactive", "default": True, "priority": 100, "slo": {"ttftP95Ms": 5000}},
+            # One running + one waiting at most: a burst gets 429 queue_full.
+            {"name": "batch", "class": "batch", "priority": 10, "maxActiveSequences": 1, "maxWaitingRequests": 1},
+        ],
+    }
+    server = ServerProcess(config, tmp_path_factory.mktemp("bench-server"), "tiny", grace_s=2.0)
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,219 @@
+"""CRDs: generated files up to date, structural, samples valid, CEL rules exercised (cel-python)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import celpy
+import jsonschema
+import pytest
+import yaml
+
+from tokenlane.operator import schema
+from tokenlane.operator.model import parse_model_service, parse_serving_lane
+from tokenlane.runtime.config import EngineConfig, SchedulerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
+
+
+def _docs() -> list[dict]:
+    return [d for p in SAMPLES for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def _sample(kind: str, name: str) -> dict:
+    return copy.deepcopy(next(d for d in _docs() if d["kind"] == kind and d["metadata"]["name"] == name))
+
+
+def test_crd_files_are_generated_from_schema():
+    for name, text in schema.render_crd_files().items():
+        assert (ROOT / "crds" / name).read_text() == text, f"crds/{name} is stale: python -m tokenlane.operator.schema crds/"
+
+
+@pytest.mark.parametrize("kind", ["ModelService", "ServingLane"])
+def test_schema_is_structural(kind):
+    """Every node has a type (or int-or-string / preserve-unknown), descriptions on properties."""
+    def walk(node, path):
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path}: no type"
+        if node.get("type") == "object":
+            for key, sub in node.get("properties", {}).items():
+                if path != "" or key not in ("apiVersion", "kind", "metadata"):
+                    assert sub.get("description"), f"{path}.{key}: no description (kubectl explain)"
+                walk(sub, f"{path}.{key}")
+            if isinstance(node.get("additionalProperties"), dict):
+                walk(node["additionalProperties"], f"{path}.*")
+        if node.get("type") == "array":
+            walk(node["items"], f"{path}[]")
+    walk(schema.crd_schema(kind), "")
+
+
+def test_crd_metadata():
+    ms = yaml.safe_load((ROOT / "crds" / "modelservices.tokenlane.dev.yaml").read_text())
+    version = ms["spec"]["versions"][0]
+    assert ms["spec"]["names"]["shortNames"] == ["msvc"]
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+    assert "status" in version["subresources"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]][:4] == ["Replicas", "Ready", "Lanes", "SLO Met"]
+    lane = yaml.safe_load((ROOT / "crds" / "servinglanes.tokenlane.dev.yaml").read_text())
+    assert lane["spec"]["names"]["shortNames"] == ["lane"]
+
+
+def test_scheduler_defaults_are_the_runtimes():
+    """The CRD's defaults (the seed's budgets) equal the runtime's SchedulerConfig defaults."""
+    defaults = SchedulerConfig()
+    for key, value in schema.SCHEDULER_DEFAULTS.items():
+        attr = "".join("_" + c.lower() if c.isupper() else c for c in key)
+        assert getattr(defaults, attr) == value, key
+    engine = schema.crd_schema("ModelService")["properties"]["spec"]["properties"]["engine"]["properties"]
+    for f in dataclasses.fields(EngineConfig):
+        key = f.name.split("_")[0] + "".join(p.title() for p in f.name.split("_")[1:])
+        assert key in engine, f"engine.{key} missing from the CRD"
+        if "default" in engine[key] and f.default is not None:
+            assert engine[key]["default"] == f.default, key
+
+
+# --------------------------------------------------------------------------- jsonschema
+
+
+def _validator(kind):
+    return jsonschema.Draft4Validator(schema.to_jsonschema(schema.crd_schema(kind)))
+
+
+@pytest.mark.parametrize("doc", _docs(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_samples_validate_against_crd_schema(doc):
+    errors = list(_validator(doc["kind"]).iter_errors(doc))
+    assert not errors, [e.message for e in errors]
+    defaulted = schema.apply_defaults(schema.crd_schema(doc["kind"]), doc)
+    assert not list(_validator(doc["kind"]).iter_errors(defaulted))
+    assert not cel_failures(doc["kind"], defaulted)
+
+
+# --------------------------------------------------------------------------- CEL
+
+
+def _typed(node_schema, value):
+    """JSON -> CEL values as the API server types them (a `number` field holding 1 is a double)."""
+    if isinstance(value, dict):
+        props = node_schema.get("properties", {})
+        extra = node_schema.get("additionalProperties") if isinstance(node_schema.get("additionalProperties"), dict) else {}
+        return {k: _typed(props.get(k, extra), v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_typed(node_schema.get("items", {}), v) for v in value]
+    if node_schema.get("type") == "number" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _nodes(value, path):
+    """Values at a cel_rules path like .spec.budgets or .spec.tenants[*]."""
+    parts = [p for p in path.replace("[*]", ".[*]").split(".") if p]
+    current = [value]
+    for part in parts:
+        nxt = []
+        for v in current:
+            if part == "[*]":
+                nxt += list(v) if isinstance(v, list) else []
+            elif isinstance(v, dict) and part in v:
+                nxt.append(v[part])
+        current = nxt
+    return current
+
+
+_ENV = celpy.Environment()
+
+
+def cel_failures(kind: str, obj: dict) -> list[str]:
+    root_schema = schema.crd_schema(kind)
+    typed = _typed(root_schema, obj)
+    failures = []
+    for path, rule, message in schema.cel_rules(root_schema):
+        program = _ENV.program(_ENV.compile(rule))
+        for node in _nodes(typed, path if path != "." else ""):
+            result = program.evaluate({"self": celpy.json_to_cel(node)})
+            if isinstance(result, Exception) or not bool(result):
+                failures.append(f"{path}: {message}")
+    return failures
+
+
+def test_every_cel_rule_compiles():
+    for kind in ("ModelService", "ServingLane"):
+        for path, rule, _ in schema.cel_rules(schema.crd_schema(kind)):
+            _ENV.compile(rule)
+
+
+def _set(obj, dotted, value):
+    *head, last = dotted.split(".")
+    for part in head:
+        obj = obj.setdefault(part, {})
+    obj[last] = value
+
+
+MSVC_INVALID = [
+    ("spec.scheduler.kvCacheHighWatermark", 0.96, "kvCacheHighWatermark must be < kvCacheRejectWatermark"),
+    ("spec.scheduler.kvCacheRejectWatermark", 0.80, "kvCacheHighWatermark must be < kvCacheRejectWatermark"),
+    ("spec.scheduler.prefillChunkSize", 16384, "prefillChunkSize must be <= maxBatchedTokens"),
+    ("spec.scheduler.maxActiveSequences", 9000, "maxActiveSequences must be <= maxBatchedTokens"),
+    ("spec.tuning.bounds.maxActiveSequences", {"min": 300, "max": 100}, "min must be <= max"),
+    ("spec.tuning.bounds.kvCacheHighWatermark", {"min": 0.9, "max": 0.8}, "min must be <= max"),
+    ("spec.engine.blockSize", 24, "blockSize must be a power of two"),
+    ("spec.model.source.hostPath", {"path": "/data"}, "set at most one of pvc, hostPath, tinyModel"),
+    ("spec.model.path", "/opt/model", "with a source, path must lie under /models/"),
+    ("spec.tuning.prometheusUrl", None, "tuning.enabled needs tuning.prometheusUrl"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", MSVC_INVALID, ids=[c[0] + "=" + str(c[1]) for c in MSVC_INVALID])
+def test_cel_refuses_invalid_model_service(field, value, message):
+    doc = _sample("ModelService", "llama3-8b")
+    if value is None:
+        doc["spec"]["tuning"].pop("prometheusUrl")
+    else:
+        _set(doc, field, value)
+    failures = cel_failures("ModelService", schema.apply_defaults(schema.crd_schema("ModelService"), doc))
+    assert any(message in f for f in failures), failures
+    # The operator refuses the same object with a message naming the field (no API server needed).
+    with pytest.raises(ValueError):
+        parse_model_service(doc)
+
+
+LANE_INVALID = [
+    ("spec.budgets", {"prefillChunkSize": 4096, "maxBatchedTokens": 1024}, "prefillChunkSize must be <= maxBatchedTokens"),
+    ("spec.match", {"minPromptTokens": 100, "maxPromptTokens": 10}, "minPromptTokens must be <= maxPromptTokens"),
+    ("spec.dedicated", {"replicas": 2}, "dedicated needs isolation: dedicated"),
+    ("spec.tuning.bounds.prefillChunkSize", {"min": 2048, "max": 256}, "min must be <= max"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", LANE_INVALID, ids=[c[0] for c in LANE_INVALID])
+def test_cel_refuses_invalid_lane(field, value, message):
+    doc = _sample("ServingLane", "llama3-8b-interactive")
+    _set(doc, field, value)
+    failures = cel_failures("ServingLane", schema.apply_defaults(schema.crd_schema("ServingLane"), doc))
+    assert any(message in f for f in failures), failures
+    with pytest.raises(ValueError):
+        parse_serving_lane(doc)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("spec.replicas", -1), ("spec.scheduler.policy", "fifo"), ("spec.gpus.count", 17),
+    ("spec.scheduler.kvCacheHighWatermark", 0), ("spec.model.dtype", "int4"), ("spec.bogus", 1),
+    ("spec.tenants", [{"name": "a", "apiKeySha256": "not-hex"}]),
+])
+def test_schema_refuses_out_of_range(field, value):
+    doc = _sample("ModelService", "tiny")
+    _set(doc, field, value)
+    assert list(_validator("ModelService").iter_errors(doc))
+    with pytest.raises(ValueError, match=field.split(".")[-1]):
+        parse_model_service(doc)
+
+
+def test_defaults_fill_a_minimal_model_service():
+    ms = parse_model_service({"apiVersion": "tokenlane.dev/v1alpha1", "kind": "ModelService",
+                              "metadata": {"name": "m", "namespace": "ns"}, "spec": {"model": {"path": "/m"}}})
+    assert ms.spec["scheduler"] == {**schema.SCHEDULER_DEFAULTS}
+    assert ms.spec["replicas"] == 1 and ms.spec["gpus"] == {"count": 1, "resourceName": "nvidia.com/gpu"}
+    assert ms.spec["tuning"]["enabled"] is False and ms.spec["rollout"]["fallback"]["policy"] == "LastKnownGood"

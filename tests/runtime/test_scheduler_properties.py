@@ -1,0 +1,215 @@
+"""Property tests: random arrivals, lengths, cancellations, budgets, lanes and tiny KV pools.
+
+Every run drives the real engine (admission + scheduler + block pool) with the strict fake
+executor, which checks each chunk's block table and the pretend KV contents. After every
+step: budgets hold, the pool's books balance (no block leaked or double-freed). At the end:
+every request finished or was rejected with a reason, all blocks are free, no successful
+request finished after its deadline, and no lane with work went unserved for longer than the
+starvation bound while other lanes were being served.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenlane.runtime.admission import AdmissionError
+from tokenlane.runtime.engine import LLMEngine
+from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.testing import FakeExecutor, make_config
+
+DT = 0.01  # simulated seconds per step
+STARVATION_STEPS = 8
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@st.composite
+def scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = draw(st.integers(3, 40))
+    mbt = draw(st.integers(4, 48))
+    n_lanes = draw(st.integers(1, 3))
+    lanes = []
+    for i in range(n_lanes):
+        lane = {
+            "name": f"lane{i}",
+            "priority": draw(st.sampled_from([10, 50, 100])),
+            "weight": draw(st.sampled_from([1, 2, 4])),
+            "default": i == 0,
+        }
+        if draw(st.booleans()):
+            lane["maxActiveSequences"] = draw(st.integers(1, 6))
+        if draw(st.booleans()):
+            cap = draw(st.integers(2, mbt))
+            lane["maxBatchedTokens"] = cap
+            lane["prefillChunkSize"] = draw(st.integers(1, cap))
+        if draw(st.booleans()):
+            lane["maxWaitingRequests"] = draw(st.integers(1, 10))
+        if draw(st.booleans()):
+            lane["queueTimeoutMs"] = draw(st.integers(20, 400))
+        lanes.append(lane)
+    high = draw(st.sampled_from([0.5, 0.8, 0.95]))
+    config = make_config(
+        lanes=lanes,
+        block_size=block_size,
+        continuous_batching=draw(st.booleans()),
+        prefix_caching=draw(st.booleans()),
+        max_model_len=draw(st.sampled_from([32, 64, 4096])),
+        max_batched_tokens=mbt,
+        prefill_chunk_size=draw(st.integers(1, mbt)),
+        max_active_sequences=draw(st.integers(1, min(8, mbt))),
+        max_waiting_requests=draw(st.integers(1, 30)),
+        policy=draw(st.sampled_from(["decode-first", "mixed"])),
+        kv_cache_high_watermark=high,
+        kv_cache_reject_watermark=draw(st.sampled_from([high + 0.04, 1.0])),
+        queue_timeout_ms=draw(st.integers(50, 5000)),
+    )
+    prefixes = [[7, 7, 7, 7, 7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    events = []  # per step: (arrivals, cancellations)
+    for _ in range(draw(st.integers(1, 30))):
+        arrivals = []
+        for _ in range(draw(st.integers(0, 3))):
+            shared = draw(st.sampled_from([None, 0, 1]))
+            tail = draw(st.lists(st.integers(10, 999), min_size=0 if shared is not None else 1,
+                                 max_size=24))
+            arrivals.append({
+                "prompt": (prefixes[shared] if shared is not None else []) + tail,
+                "max_tokens": draw(st.integers(1, 12)),
+                "lane": draw(st.integers(0, n_lanes - 1)),
+                "priority": draw(st.integers(0, 2)),
+                "deadline": draw(st.one_of(st.none(), st.floats(0.0, 0.6))),
+                "stop_at": draw(st.one_of(st.none(), st.integers(0, 999))),
+            })
+        cancels = draw(st.lists(st.integers(0, 10_000), max_size=2))
+        events.append((arrivals, cancels))
+    return config, num_blocks, events
+
+
+def run_scenario(config, num_blocks, events):
+    clock = Clock()
+    ex = FakeExecutor(num_blocks, config.engine.block_size, vocab_size=1000, max_model_len=None,
+                      step_seconds=DT)
+    engine = LLMEngine(config, ex, clock=clock)
+    engine.scheduler.starvation_steps = STARVATION_STEPS
+    sched = engine.scheduler
+    requests: list[Request] = []
+    rejected: dict[str, str] = {}
+    starved = {lane.name: 0 for lane in config.lanes}
+    next_id = 0
+
+    def one_step():
+        # Who could start before the step (for the starvation bound).
+        waiting_before = {
+            name: {r.request_id for r in lane.waiting_requests()} for name, lane in sched.lanes.items()
+        }
+        running_before = {name: lane.num_running for name, lane in sched.lanes.items()}
+        outputs = engine.step()
+        plan = ex.plans[-1] if ex.plans and engine.last_step_tokens else None
+        sched.check_invariants()
+        # Budgets.
+        assert sched.num_running <= config.scheduler.max_active_sequences
+        per_lane_tokens = {name: 0 for name in sched.lanes}
+        if plan is not None:
+            assert plan.num_batched_tokens == sum(c.num_tokens for c in plan.chunks)
+            assert plan.num_batched_tokens <= config.scheduler.max_batched_tokens
+            for c in plan.chunks:
+                budgets = config.lane_budgets(c.request.lane)
+                assert c.num_tokens <= budgets.prefill_chunk_size or c.num_tokens == 1
+                per_lane_tokens[c.request.lane] += c.num_tokens
+        for name, lane in sched.lanes.items():
+            budgets = config.lane_budgets(name)
+            assert per_lane_tokens[name] <= budgets.max_batched_tokens
+            assert lane.num_running <= budgets.max_active_sequences
+        # Starvation: a lane that could start something, while another lane did, and didn't.
+        if plan is not None and config.engine.continuous_batching:
+            started = {
+                name: any(c.request.request_id in waiting_before[name] for c in plan.chunks)
+                for name in sched.lanes
+            }
+            for name in sched.lanes:
+                budgets = config.lane_budgets(name)
+                eligible = (
+                    waiting_before[name]
+                    and running_before[name] < budgets.max_active_sequences
+                    and per_lane_tokens[name] < budgets.max_batched_tokens
+                )
+                others = any(v for k, v in started.items() if k != name)
+                if started[name] or not waiting_before[name]:
+                    starved[name] = 0
+                elif eligible and others:
+                    starved[name] += 1
+                    assert starved[name] <= STARVATION_STEPS + 1, f"lane {name} starves"
+        clock.now += DT
+        return outputs
+
+    for arrivals, cancels in events:
+        for spec in arrivals:
+            next_id += 1
+            deadline = None if spec["deadline"] is None else clock.now + spec["deadline"]
+            stop = [] if spec["stop_at"] is None else [spec["stop_at"]]
+            r = Request(
+                f"r{next_id}",
+                list(spec["prompt"]),
+                SamplingParams(max_tokens=spec["max_tokens"], stop_token_ids=stop),
+                lane=f"lane{spec['lane']}",
+                priority=spec["priority"],
+                deadline=deadline,
+                arrival_time=clock.now,
+            )
+            requests.append(r)
+            try:
+                engine.add_request(r)
+            except AdmissionError as exc:
+                assert exc.reason in ("queue_full", "kv_watermark", "deadline", "too_long", "invalid")
+                assert exc.status in (400, 429, 503)
+                rejected[r.request_id] = exc.reason
+                assert r.status is RequestStatus.FINISHED_REJECTED and r.finish_detail == exc.reason
+        for c in cancels:
+            if requests:
+                engine.abort_request(requests[c % len(requests)].request_id)
+        one_step()
+    for _ in range(5000):
+        if not engine.has_unfinished_requests():
+            break
+        one_step()
+    assert not engine.has_unfinished_requests(), "requests never finished (livelock or starvation)"
+    # Every request finished, or was rejected with a reason.
+    for r in requests:
+        assert r.is_finished, r.request_id
+        assert r.finish_reason is not None and r.finish_detail
+        if r.request_id in rejected:
+            assert r.status is RequestStatus.FINISHED_REJECTED
+        assert r.block_ids == []
+        if r.deadline is not None and r.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+        ):
+            assert r.finish_time <= r.deadline, "finished successfully after its deadline"
+        if r.status is RequestStatus.FINISHED_LENGTH:
+            assert r.num_output_tokens == r.sampling_params.max_tokens or r.num_tokens >= engine.max_model_len
+        # Outputs are what the model gives, preemptions and prefix hits notwithstanding.
+        for i, token in enumerate(r.output_token_ids):
+            assert token == ex.token_fn(r.request_id, r.num_prompt_tokens + i)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks, "KV blocks leaked"
+    sched.kv.check_invariants([])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_scheduler_properties(scenario):
+    run_scenario(*scenario)
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_scheduler_properties_many(scenario):
+    run_scenario(*scenario)

@@ -1,0 +1,86 @@
+"""Tokenizer loading, chat templates and streaming detokenization."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenlane.runtime.tokenizer import (
+    IncrementalDetokenizer,
+    apply_chat_template,
+    encode_prompt,
+    find_stop_string,
+    load_tokenizer,
+)
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "naïve café — 東京 🚀 emoji 👩‍👩‍👧 and accents àéîõü",
+    "def f(x):\n    return x ** 2  # squares\n\n\tindented",
+    "   leading spaces and trailing   ",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def test_load_and_encode(tok):
+    ids = encode_prompt(tok, "Hello")
+    assert ids[0] == tok.bos_token_id
+    assert tok.eos_token_id == 2
+
+
+def test_missing_folder_is_value_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope")
+
+
+def test_chat_template_ids(tok):
+    ids = apply_chat_template(tok, [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": "hi"}])
+    text = tok.decode(ids)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert text.count("</s>") == 2
+    with pytest.raises(ValueError, match="messages\\[0\\]"):
+        apply_chat_template(tok, ["just a string"])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_equals_full_decode(tok, text):
+    prompt = encode_prompt(tok, "Prompt:")
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.add_tokens([t]) for t in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == text == detok.text
+    assert all("\ufffd" not in p for p in pieces)  # split UTF-8 is held back, never emitted
+
+
+def test_incremental_random_token_streams(tok):
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(5, len(tok)) for _ in range(rng.randint(1, 40))]
+        detok = IncrementalDetokenizer(tok)
+        streamed = "".join(detok.add_tokens(ids[i:i + 3]) for i in range(0, len(ids), 3))
+        streamed += detok.flush()
+        assert streamed == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_skipped(tok):
+    detok = IncrementalDetokenizer(tok)
+    ids = tok.encode("ok", add_special_tokens=False) + [tok.eos_token_id]
+    assert detok.add_tokens(ids) + detok.flush() == "ok"
+
+
+def test_find_stop_string():
+    assert find_stop_string("hello world", ["wor"], num_new_chars=3) == (6, "wor")
+    # Only matches that end in the new text count (older ones were checked before).
+    assert find_stop_string("hello world", ["hell"], num_new_chars=3) is None
+    # A stop string split across two steps is found when its end arrives.
+    assert find_stop_string("abc STO", ["STOP"], 3) is None
+    assert find_stop_string("abc STOP", ["STOP"], 1) == (4, "STOP")
+    assert find_stop_string("x END y STOP", ["STOP", "END"], 12) == (2, "END")
+    assert find_stop_string("abc", [""], 3) is None

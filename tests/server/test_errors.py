@@ -1,0 +1,185 @@
+"""Every error status from a real request: 401, 403, 429 (queue full, deadline), 503 (KV
+reject watermark), 504 (queue timeout); each in OpenAI's shape, with Retry-After where due."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tokenlane.runtime.config import hash_api_key
+
+# One sequence runs at a time; the batch lane queues one request; interactive requests time
+# out after 300 ms in the queue; the KV pool is 64 blocks of 16 tokens, rejecting at 40%.
+TIGHT = """
+model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}
+engine: {{blockSize: 16, kvCacheBlocks: 64, device: cpu, enablePrefixCaching: false}}
+scheduler:
+  maxActiveSequences: 1
+  maxWaitingRequests: 8
+  maxBatchedTokens: 128
+  prefillChunkSize: 128
+  queueTimeoutMs: 30000
+  kvCacheHighWatermark: 0.35
+  kvCacheRejectWatermark: 0.4
+lanes:
+  - {{name: interactive, default: true, maxWaitingRequests: 1, queueTimeoutMs: 300}}
+  - {{name: batch, class: batch, maxWaitingRequests: 1}}
+tenants:
+  - {{name: alpha, apiKeySha256: "{alpha}", lanes: [interactive]}}
+  - {{name: beta, apiKeySha256: "{beta}"}}
+"""
+
+ALPHA = {"Authorization": "Bearer alpha-secret"}
+BETA = {"Authorization": "Bearer beta-secret"}
+
+
+@pytest.fixture(scope="module")
+def tight(serve):
+    return serve(TIGHT.replace("{alpha}", hash_api_key("alpha-secret")).replace("{beta}", hash_api_key("beta-secret")))
+
+
+def wait_idle(live, timeout=20.0):
+    live.wait_metric("tokenlane_requests_running", lambda v: v == 0, timeout=timeout)
+    live.wait_metric("tokenlane_requests_waiting", lambda v: v == 0, timeout=timeout)
+
+
+class Hog:
+    """A long streaming request that holds the only running slot until closed (by default
+    below the KV reject watermark: 388 tokens are 25 of 64 blocks)."""
+
+    def __init__(self, live, prompt_tokens=8, max_tokens=380, headers=BETA):
+        self.client = httpx.Client(base_url=live.url, timeout=60)
+        self.cm = self.client.stream(
+            "POST", "/v1/completions", headers=headers,
+            json={"prompt": list(range(10, 10 + prompt_tokens)), "max_tokens": max_tokens,
+                  "ignore_eos": True, "stream": True})
+        self.response = self.cm.__enter__()
+        assert self.response.status_code == 200, self.response.read()
+        self.lines = self.response.iter_lines()
+        next(self.lines)  # its first token arrived: it runs
+
+    def close(self):
+        self.cm.__exit__(None, None, None)
+        self.client.close()
+
+
+def assert_error(r, status, code=None, retry_after=False):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["message"]
+    if code:
+        assert error["code"] == code, error
+    if retry_after:
+        assert int(r.headers["retry-after"]) >= 1
+
+
+def test_401_and_403(tight):
+    url = tight.url + "/v1/completions"
+    body = {"prompt": [5, 6, 7], "max_tokens": 2}
+    assert_error(httpx.post(url, json=body), 401, "missing_api_key")
+    assert_error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401, "invalid_api_key")
+    assert_error(httpx.post(url, json=body, headers={"X-Tenant": "alpha"}), 401)  # no header trust with keys
+    assert_error(httpx.post(url, content=b"junk"), 401)  # the key is checked before the body
+    assert_error(httpx.get(tight.url + "/v1/models"), 401)
+    assert httpx.get(tight.url + "/v1/models", headers=ALPHA).status_code == 200
+    assert_error(httpx.post(url, json=body, headers={**ALPHA, "X-Lane": "batch"}), 403, "lane_not_allowed")
+    r = httpx.post(url, json=body, headers={**BETA, "X-Lane": "batch"}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-tenant"] == "beta" and r.headers["x-lane"] == "batch"
+    r = httpx.post(url, json=body, headers=ALPHA, timeout=30)
+    assert r.status_code == 200 and r.headers["x-tenant"] == "alpha"
+    # Probes and metrics stay open (kubelet and Prometheus have no key).
+    assert httpx.get(tight.url + "/health").status_code == 200
+    assert httpx.get(tight.url + "/metrics").status_code == 200
+
+
+def test_429_queue_full(tight):
+    wait_idle(tight)
+    hog = Hog(tight)
+    batch = {**BETA, "X-Lane": "batch"}
+    try:
+        results = {}
+
+        def queued():  # waits in the batch queue behind the hog
+            results["queued"] = httpx.post(tight.url + "/v1/completions", headers=batch, timeout=60,
+                                           json={"prompt": [5, 6, 7], "max_tokens": 2})
+
+        t = threading.Thread(target=queued)
+        t.start()
+        tight.wait_metric("tokenlane_requests_waiting", lambda v: v >= 1, lane="batch")
+        started = time.monotonic()
+        full = httpx.post(tight.url + "/v1/completions", headers=batch, json={"prompt": [5, 6], "max_tokens": 2})
+        assert_error(full, 429, "queue_full", retry_after=True)
+        assert full.json()["error"]["type"] == "rate_limit_error"
+        assert full.headers["x-lane"] == "batch"
+        assert time.monotonic() - started < 5.0  # answered at once, not after the hog
+    finally:
+        hog.close()
+    t.join(timeout=60)
+    assert results["queued"].status_code == 200  # the admitted one is served once the hog leaves
+    assert tight.metric("tokenlane_requests_total", outcome="rejected", reason="queue_full", lane="batch") >= 1
+
+
+def test_504_queue_timeout(tight):
+    wait_idle(tight)
+    hog = Hog(tight)
+    try:
+        started = time.monotonic()
+        r = httpx.post(tight.url + "/v1/completions", headers=BETA, timeout=60,
+                       json={"prompt": [5, 6, 7], "max_tokens": 2})
+        assert_error(r, 504, "queue_timeout")
+        assert r.headers["x-lane"] == "interactive"
+        assert time.monotonic() - started >= 0.3
+    finally:
+        hog.close()
+    tight.wait_metric("tokenlane_requests_total", lambda v: v >= 1, outcome="timeout", lane="interactive")
+
+
+def test_429_deadline_cannot_be_met(tight):
+    wait_idle(tight)
+    # Warm the step-time estimate, then ask for 200 tokens within 1 ms.
+    httpx.post(tight.url + "/v1/completions", headers=BETA, json={"prompt": [5, 6], "max_tokens": 4}, timeout=30)
+    r = httpx.post(tight.url + "/v1/completions", headers={**BETA, "X-Request-Deadline-Ms": "1"},
+                   json={"prompt": [5, 6, 7], "max_tokens": 200}, timeout=30)
+    assert_error(r, 429, "deadline", retry_after=True)
+
+
+def test_503_at_the_kv_reject_watermark(tight):
+    wait_idle(tight)
+    # 300 prompt + 200 output tokens: past 40% of the 64 blocks after ~110 tokens.
+    hog = Hog(tight, prompt_tokens=300, max_tokens=200, headers={**BETA, "X-Lane": "batch"})
+    try:
+        tight.wait_metric("tokenlane_kv_cache_usage_ratio", lambda v: v >= 0.4)
+        r = httpx.post(tight.url + "/v1/completions", headers=BETA, json={"prompt": [5, 6], "max_tokens": 2})
+        assert_error(r, 503, "kv_watermark", retry_after=True)
+        assert r.json()["error"]["type"] == "service_unavailable_error"
+        assert httpx.get(tight.url + "/health").status_code == 200
+    finally:
+        hog.close()
+    tight.wait_metric("tokenlane_kv_cache_usage_ratio", lambda v: v == 0)
+
+
+def test_a_dead_engine_loop_fails_health_and_requests_cleanly(serve):
+    live = serve("""
+model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}
+engine: {{kvCacheBlocks: 64, device: cpu}}
+""")
+    assert httpx.get(live.url + "/health").status_code == 200
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+
+    live.engine.executor.execute = broken  # every step fails from now on
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"  # the request that hit it
+    deadline = time.monotonic() + 20
+    while httpx.get(live.url + "/health").status_code == 200:
+        httpx.post(live.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=30)
+        assert time.monotonic() < deadline, "the step loop never gave up"
+    health = httpx.get(live.url + "/health")
+    assert_error(health, 503, "engine_dead")
+    assert httpx.get(live.url + "/ready").status_code == 503
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=30)
+    assert_error(r, 503, retry_after=True)  # refused at once, not hung

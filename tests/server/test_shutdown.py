@@ -1,0 +1,115 @@
+"""SIGTERM on a real `tokenlane serve` process: stop admitting (503 + Retry-After on /ready
+and on new requests), finish in-flight work within the grace period, abort what is left,
+exit 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+CONFIG = """
+model: {{path: "{model}", servedName: tiny, maxModelLen: 2048}}
+engine: {{blockSize: 16, kvCacheBlocks: 256, device: cpu}}
+scheduler: {{maxActiveSequences: 8, maxBatchedTokens: 256, prefillChunkSize: 128}}
+"""
+
+GRACE_S = 1.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StreamReader(threading.Thread):
+    def __init__(self, url, max_tokens):
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.first_token = threading.Event()
+        self.events, self.error = [], None
+
+    def run(self):
+        try:
+            payload = {"prompt": [7, 8, 9], "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", self.url + "/v1/completions", json=payload, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                        self.first_token.set()
+        except Exception as exc:  # reported by the test
+            self.error = exc
+            self.first_token.set()
+
+    @property
+    def finish_reason(self):
+        reasons = [e["choices"][0]["finish_reason"] for e in self.events if isinstance(e, dict) and e["choices"]]
+        return reasons[-1] if reasons else None
+
+    @property
+    def completion_tokens(self):
+        return next(e["usage"]["completion_tokens"] for e in self.events if isinstance(e, dict) and e.get("usage"))
+
+
+def test_sigterm_drains_and_exits_cleanly(tiny_model_dir, tmp_path):
+    config = tmp_path / "runtime.yaml"
+    config.write_text(CONFIG.format(model=tiny_model_dir))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(config), "--host", "127.0.0.1",
+         "--port", str(port), "--shutdown-grace-seconds", str(GRACE_S), "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.2)
+
+        short = StreamReader(url, max_tokens=16)  # finishes within the grace period
+        long = StreamReader(url, max_tokens=2000)  # still running when it ends: aborted
+        for reader in (short, long):
+            reader.start()
+            assert reader.first_token.wait(30) and reader.error is None, reader.error
+
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        while (ready := httpx.get(url + "/ready", timeout=5)).status_code == 200:
+            time.sleep(0.02)
+        assert ready.status_code == 503 and int(ready.headers["retry-after"]) >= 1
+        assert httpx.get(url + "/health", timeout=5).status_code == 200  # alive while draining
+        refused = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "draining" and int(refused.headers["retry-after"]) >= 1
+
+        short.join(30)
+        long.join(30)
+        assert short.error is None and long.error is None, (short.error, long.error)
+        assert short.finish_reason == "length" and short.completion_tokens == 16
+        assert long.finish_reason == "abort" and long.completion_tokens < 2000
+        assert short.events[-1] == "[DONE]" and long.events[-1] == "[DONE]"
+
+        assert proc.wait(timeout=GRACE_S + 30) == 0
+        assert time.monotonic() - signalled < GRACE_S + 20
+        output = proc.stdout.read()
+        assert "draining" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,234 @@
+"""The rollout guard and tuner timer in the running operator (kopf) against the kmock emulator.
+
+Time is a fake clock the test moves; "Prometheus" is a sample the test sets (the real PromQL
+path is covered by test_prometheus_integration.py). Each `advance()` moves the clock past
+spec.tuning.interval and waits until the timer has run once at that time.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from tokenlane.operator import k8s
+from tokenlane.operator.tuner import LaneMetrics, MetricSample
+from tokenlane.runtime.config import loads_config
+
+NS = "tokenlane-demo"
+INTERVAL = 60.0
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _samples(cluster, tuning: dict | None = None, rollout: dict | None = None) -> list[dict]:
+    msvc, interactive, batch = copy.deepcopy(cluster.harness.load_samples("tiny-cpu.yaml"))
+    msvc["spec"]["tuning"] = {"enabled": False, "prometheusUrl": "http://prometheus.test:9090",
+                              "interval": "60s", "window": "60s", "cooldown": "60s", **(tuning or {})}
+    msvc["spec"]["rollout"] = {"verificationWindow": "120s", "progressDeadline": "300s", **(rollout or {})}
+    return [msvc, interactive, batch]
+
+
+def sample(ttft_ms: float = 300.0, tpot_ms: float = 50.0, queue_ms: float = 100.0) -> MetricSample:
+    return MetricSample(60.0, {
+        "interactive": LaneMetrics(2.0, ttft_ms / 1000, tpot_ms / 1000, queue_ms / 1000, 0.0, 1.0, 100.0),
+        "batch": LaneMetrics(1.0, 5.0, 0.1, 2.0, 0.0, 10.0, 300.0),
+    }, kv_usage=0.4)
+
+
+def status(cluster) -> dict:
+    return (cluster.obj("modelservices", "tiny") or {}).get("status") or {}
+
+
+def runtime_yaml(cluster):
+    return loads_config(cluster.obj("configmaps", "tiny-config")["data"]["runtime.yaml"])
+
+
+def restart_hash(cluster) -> str:
+    dep = cluster.obj("deployments", "tiny")
+    return dep["spec"]["template"]["metadata"]["annotations"]["tokenlane.dev/restart-hash"]
+
+
+async def advance(cluster, seconds: float = INTERVAL + 1) -> dict:
+    cluster.clock.now += seconds
+    now = cluster.clock.now
+    await cluster.wait_for(lambda: (status(cluster).get("tuning") or {}).get("lastRunAt") == now,
+                           timeout=15, what=f"a tuning run at {now}")
+    return status(cluster)
+
+
+async def pods(cluster, ready: int, updated: int | None = None) -> None:
+    """Play the Deployment controller."""
+    updated = ready if updated is None else updated
+    await cluster.client.merge_patch(k8s.DEPLOYMENTS, NS, "tiny",
+                                     {"status": {"replicas": 1, "readyReplicas": ready, "updatedReplicas": updated}},
+                                     subresource="status")
+
+
+def events(cluster, reason: str) -> list[dict]:
+    return [e for e in cluster.events() if e.get("reason") == reason]
+
+
+async def start_stable(cluster, objs: list[dict]) -> str:
+    """Create the ModelService and lanes, make its pods ready, verify it: it becomes the LKG."""
+    for obj in objs:
+        # kopf guards its own patches with a JSON-patch test of resourceVersion, which the
+        # emulator does not set by itself.
+        obj["metadata"].setdefault("resourceVersion", "1")
+        await cluster.create(obj)
+    await cluster.wait_for(lambda: cluster.obj("deployments", "tiny") and cluster.obj("configmaps", "tiny-config")
+                           and len(runtime_yaml(cluster).lanes) == 2, what="rendered objects")
+    await pods(cluster, 1)
+    cluster.metrics.sample = sample()
+    st = await advance(cluster, 1)
+    assert st["rollout"]["phase"] == "Verifying"
+    st = await advance(cluster)  # pods ready: the verification window starts
+    assert st["rollout"]["readyAt"] == cluster.clock.now
+    st = await advance(cluster, 121)
+    assert st["rollout"]["phase"] == "Stable", st["rollout"]
+    return st["rollout"]["lastKnownGood"]
+
+
+async def test_good_revision_becomes_last_known_good(guarded_cluster):
+    cluster = guarded_cluster
+    first = await start_stable(cluster, _samples(cluster))
+    cm = cluster.obj("configmaps", "tiny-rollout")
+    assert cm["data"]["revision"] == first
+    assert any(o["kind"] == "Deployment" for o in yaml.safe_load_all(cm["data"]["objects.yaml"]))
+    assert cluster.condition("modelservices", "tiny", "RolledBack")["status"] == "False"
+    await cluster.wait_for(lambda: events(cluster, "LastKnownGood"), what="LastKnownGood Event")
+
+    # A budget change is a new revision (new runtime config, same pods): verified, then promoted.
+    await cluster.patch_spec("modelservices", "tiny", {"scheduler": {"maxBatchedTokens": 384}})
+    await cluster.wait_for(lambda: runtime_yaml(cluster).scheduler.max_batched_tokens == 384, what="new budget")
+    st = await advance(cluster)
+    assert st["rollout"]["phase"] == "Verifying" and st["rollout"]["revision"] != first
+    await advance(cluster)
+    st = await advance(cluster, 121)
+    assert st["rollout"]["phase"] == "Stable"
+    assert st["rollout"]["lastKnownGood"] == st["rollout"]["revision"] != first
+    assert cluster.obj("configmaps", "tiny-rollout")["data"]["revision"] == st["rollout"]["lastKnownGood"]
+    assert runtime_yaml(cluster).scheduler.max_batched_tokens == 384
+
+
+async def test_revision_whose_pods_never_become_ready_is_rolled_back(guarded_cluster):
+    cluster = guarded_cluster
+    lkg = await start_stable(cluster, _samples(cluster))
+    good_hash = restart_hash(cluster)
+
+    await cluster.patch_spec("modelservices", "tiny", {"model": {"maxModelLen": 512}})  # new pod template
+    await cluster.wait_for(lambda: restart_hash(cluster) != good_hash, what="new pod template")
+    await pods(cluster, ready=0, updated=0)  # the new pods never become ready
+    st = await advance(cluster)
+    assert st["rollout"]["phase"] == "Verifying"
+    st = await advance(cluster, 200)
+    assert st["rollout"]["phase"] == "Verifying"  # still inside the 300 s progress deadline
+    st = await advance(cluster, 120)
+
+    assert st["rollout"]["phase"] == "RolledBack"
+    cond = cluster.condition("modelservices", "tiny", "RolledBack")
+    assert cond["status"] == "True" and cond["reason"] == "ProgressDeadlineExceeded"
+    assert "0/1 pods ready" in cond["message"] and lkg in cond["message"]
+    warn = await cluster.wait_for(lambda: events(cluster, "RolledBack"), what="RolledBack Event")
+    assert warn[-1]["type"] == "Warning" and "progress deadline" in warn[-1]["message"]
+    # The last-known-good objects are back; the spec is as the user wrote it.
+    await cluster.wait_for(lambda: restart_hash(cluster) == good_hash, what="LKG pod template restored")
+    assert runtime_yaml(cluster).model.max_model_len == 1024
+    assert cluster.obj("modelservices", "tiny")["spec"]["model"]["maxModelLen"] == 512
+    # The operator's own reconcile (timer, resume, lane change) keeps the LKG in force.
+    from tokenlane.operator.handlers import reconcile_model_service
+
+    await reconcile_model_service(cluster.op, NS, "tiny")
+    assert restart_hash(cluster) == good_hash
+    st = await advance(cluster)
+    assert st["rollout"]["phase"] == "RolledBack"
+
+    # Fixing the spec (here: back to the LKG) ends the rollback.
+    await cluster.patch_spec("modelservices", "tiny", {"model": {"maxModelLen": 1024}})
+    st = await advance(cluster)
+    assert st["rollout"]["phase"] == "Stable" and st["rollout"]["lastKnownGood"] == lkg
+    assert cluster.condition("modelservices", "tiny", "RolledBack")["status"] == "False"
+
+
+async def test_revision_whose_metrics_regress_is_rolled_back(guarded_cluster):
+    cluster = guarded_cluster
+    lkg = await start_stable(cluster, _samples(cluster))
+
+    await cluster.patch_spec("modelservices", "tiny", {"scheduler": {"prefillChunkSize": 512}})
+    await cluster.wait_for(lambda: runtime_yaml(cluster).scheduler.prefill_chunk_size == 512, what="new chunk size")
+    st = await advance(cluster)
+    assert st["rollout"]["phase"] == "Verifying"
+    cluster.metrics.sample = sample(ttft_ms=900)  # the new revision is 3x slower to first token
+    await advance(cluster)
+    st = await advance(cluster, 121)
+
+    assert st["rollout"]["phase"] == "RolledBack"
+    cond = cluster.condition("modelservices", "tiny", "RolledBack")
+    assert cond["status"] == "True" and cond["reason"] == "SLORegression"
+    assert "interactive TTFT p95 900ms vs 300ms (+200% > +25%)" in cond["message"]
+    warn = await cluster.wait_for(lambda: events(cluster, "RolledBack"), what="RolledBack Event")
+    assert warn[-1]["type"] == "Warning" and "SLORegression" not in warn[-1]["message"]
+    assert "interactive TTFT p95 900ms vs 300ms" in warn[-1]["message"]
+    await cluster.wait_for(lambda: runtime_yaml(cluster).scheduler.prefill_chunk_size == 128, what="LKG config")
+    assert cluster.obj("modelservices", "tiny")["spec"]["scheduler"]["prefillChunkSize"] == 512
+    assert st["rollout"]["lastKnownGood"] == lkg and st["rollout"]["rolledBackRevision"] != lkg
+
+
+async def test_fallback_when_even_the_last_known_good_misses_badly(guarded_cluster):
+    cluster = guarded_cluster
+    objs = _samples(cluster, rollout={"fallback": {"policy": "StaticBatching", "budgetPercent": 50,
+                                                   "after": "120s"}})
+    await start_stable(cluster, objs)
+    cluster.metrics.sample = sample(ttft_ms=2500)  # > 2 x the 1000 ms target
+    st = await advance(cluster)
+    assert st["rollout"]["phase"] == "Stable" and st["rollout"]["badSince"] == cluster.clock.now
+    st = await advance(cluster, 121)
+    assert st["rollout"]["phase"] == "Fallback"
+    assert st["overrides"]["engine"] == {"continuousBatching": False}
+    assert st["overrides"]["scheduler"]["maxBatchedTokens"] == 256
+    await cluster.wait_for(lambda: runtime_yaml(cluster).engine.continuous_batching is False, what="static batching")
+    assert runtime_yaml(cluster).scheduler.max_batched_tokens == 256
+    cond = cluster.condition("modelservices", "tiny", "RolledBack")
+    assert cond["status"] == "True" and cond["reason"] == "FallbackApplied"
+    fallback = await cluster.wait_for(lambda: events(cluster, "FallbackApplied"), what="FallbackApplied Event")
+    assert "continuousBatching: false" in fallback[-1]["message"]
+
+
+async def test_tuner_timer_writes_budgets_status_and_events(guarded_cluster):
+    cluster = guarded_cluster
+    objs = _samples(cluster, tuning={"enabled": True, "bounds": {
+        "maxActiveSequences": {"min": 2, "max": 16}, "maxBatchedTokens": {"min": 128, "max": 512}}})
+    await start_stable(cluster, objs)
+    good_hash = restart_hash(cluster)
+
+    # Interactive misses TTFT because requests queue: batch gives up token budget.
+    cluster.metrics.sample = sample(ttft_ms=2000, queue_ms=1500)
+    st = await advance(cluster)
+    changes = st["tuning"]["history"][-1]["changes"]
+    assert st["tuning"]["lastDecision"]["action"] == "adjust"
+    assert {"scope": "batch", "knob": "maxBatchedTokens", "old": 512, "new": 384} == \
+        {k: v for k, v in next(c for c in changes if c["scope"] == "batch" and c["knob"] == "maxBatchedTokens").items()
+         if k != "why"}
+    assert st["overrides"]["lanes"]["batch"]["maxBatchedTokens"] == 384
+    await cluster.wait_for(lambda: runtime_yaml(cluster).lane("batch").max_batched_tokens == 384, what="hot reload")
+    assert restart_hash(cluster) == good_hash  # budgets never restart pods
+    await cluster.wait_for(lambda: events(cluster, "BudgetsTuned"), what="BudgetsTuned Event")
+    slo = cluster.condition("modelservices", "tiny", "SLOMet")
+    assert slo["status"] == "False" and "TTFT p95 2000ms > 1000ms" in slo["message"]
+    await cluster.wait_for(lambda: cluster.obj("servinglanes", "tiny-interactive")["status"]["slo"]["met"] == "False",
+                           what="lane SLOMet")
+    lane_cond = cluster.condition("servinglanes", "tiny-interactive", "SLOMet")
+    assert lane_cond["status"] == "False" and lane_cond["reason"] == "TtftAboveTarget"
+    assert st["rollout"]["phase"] == "Stable"  # tuned budgets are not a new revision
+
+    # Prometheus goes away: the tuner holds the budgets and says so, once.
+    cluster.metrics.sample = None
+    st = await advance(cluster)
+    cond = cluster.condition("modelservices", "tiny", "Tuning")
+    assert cond["status"] == "False" and cond["reason"] == "PrometheusUnavailable"
+    assert st["overrides"]["lanes"]["batch"]["maxBatchedTokens"] == 384
+    await cluster.wait_for(lambda: events(cluster, "TuningHeld"), what="TuningHeld Event")
+    await advance(cluster)
+    await advance(cluster)
+    assert len(events(cluster, "TuningHeld")) == 1
