@@ -2,9 +2,11 @@
 
 `paged_attention_ref` is the readable oracle: per sequence it repeats K/V for every query
 head and runs two einsums and an explicit mask. On the CPU that costs far more than the
-math: here each sequence gathers its blocks once (`index_select`) and calls torch's fused
-`scaled_dot_product_attention` with grouped-query heads (`enable_gqa`), a causal mask only
-when the chunk has cached context, and no mask at all for single-token decodes. Results
+math: here each sequence gathers its blocks once (`index_select`, small enough to stay in
+cache for the next op) and calls torch's fused `scaled_dot_product_attention` with
+grouped-query heads (`enable_gqa`), a causal mask only when the chunk has cached context,
+and no mask at all for single-token decodes. (Batching all decodes into one padded gather
+was measured slower here: it streams several times the KV bytes through memory.) Results
 equal the reference up to float32 summation order (tests/runtime/test_executor.py checks
 it on random shapes). fp16/bf16 inputs are upcast like the reference does.
 """
@@ -25,12 +27,32 @@ def paged_attention_cpu(
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
 ) -> torch.Tensor:
-    num_tokens, num_heads, head_dim = query.shape
+    if out is None:
+        out = torch.empty_like(query)
+    # Most sequences' ops are tiny (a decode reads one context): run them on one thread, as
+    # an OpenMP fork/join per op costs more than the op (and far more on a busy host). Big
+    # chunks get all threads back.
+    threads = torch.get_num_threads()
+    try:
+        _attend_each(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                     scale, out, threads)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    return out
+
+
+# Work (query length x context length) from which a sequence uses every thread.
+_PARALLEL_WORK = 1 << 15
+
+
+def _attend_each(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                 out, threads):
+    current = threads
+    _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     gqa = num_heads != num_kv_heads
     upcast = query.dtype != torch.float32
-    if out is None:
-        out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     tables = block_tables.long()
@@ -39,6 +61,10 @@ def paged_attention_cpu(
         q_len = q_end - q_start
         if q_len == 0:
             continue
+        wanted = threads if q_len * ctx_len >= _PARALLEL_WORK else 1
+        if wanted != current:
+            torch.set_num_threads(wanted)
+            current = wanted
         n_blocks = (ctx_len + block_size - 1) // block_size
         blocks = tables[s, :n_blocks]
         k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
@@ -62,4 +88,3 @@ def paged_attention_cpu(
             q4, k4, v4, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
         )
         out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
-    return out

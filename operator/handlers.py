@@ -87,10 +87,11 @@ def _event(body: dict, type_: str, reason: str, message: str) -> None:
         log.debug("event not posted: %s %s", reason, message)
 
 
-async def _write_status(op: Operator, res: k8s.Resource, body: dict, wanted: dict) -> bool:
-    """Merge-patch the status keys that differ; no request when nothing changed."""
+async def _write_status(op: Operator, res: k8s.Resource, body: dict, wanted: dict, clear: tuple = ()) -> bool:
+    """Merge-patch the status keys that differ (and drop stale `clear` keys); no request when
+    nothing changed."""
     meta = body.get("metadata") or {}
-    patch = status_mod.status_patch(body.get("status") or {}, wanted)
+    patch = status_mod.status_patch(body.get("status") or {}, wanted, clear)
     if patch is None:
         return False
     await op.client.merge_patch(res, meta.get("namespace"), meta["name"], {"status": patch}, subresource="status")
@@ -149,7 +150,7 @@ async def _mark_orphans(op: Operator, namespace: str, parent: str) -> None:
         if lane.deleting:
             continue
         wanted = status_mod.lane_status(lane, None, None, {}, _now())
-        if await _write_status(op, k8s.SERVING_LANES, by_name[lane.ref.name], wanted):
+        if await _write_status(op, k8s.SERVING_LANES, by_name[lane.ref.name], wanted, status_mod.LANE_KEYS):
             _event(by_name[lane.ref.name], "Warning", "ModelServiceNotFound",
                    f"ModelService {parent!r} not found; the lane is served once it exists")
 
@@ -205,7 +206,7 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
         lane_body.setdefault("apiVersion", k8s.SERVING_LANES.api_version)
         lane_body.setdefault("kind", "ServingLane")
         wanted_lane = status_mod.lane_status(lane, msvc, desired, deployments, now)
-        changed = await _write_status(op, k8s.SERVING_LANES, lane_body, wanted_lane)
+        changed = await _write_status(op, k8s.SERVING_LANES, lane_body, wanted_lane, status_mod.LANE_KEYS)
         if changed and lane.ref.name in desired.rejected:
             _event(lane_body, "Warning", "Rejected", desired.rejected[lane.ref.name])
     if actions:

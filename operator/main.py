@@ -4,8 +4,8 @@
                        [--peering NAME | --standalone] [--priority N]
                        [--liveness URL] [--metrics-port N] [--log-format json|plain] [--verbose]
 
-Login: in-cluster service account, else KUBECONFIG / ~/.kube/config (kopf's piggybacking
-on the official `kubernetes` client); the executor reuses kopf's credentials.
+Login: in-cluster service account, else KUBECONFIG / ~/.kube/config, through the official
+`kubernetes` client (kopf's piggybacking); the executor reuses kopf's credentials.
 Peering: with --peering (default "tokenlane") replicas elect one active operator through
 kopf's KopfPeering objects (their CRDs are in crds/), so two replicas never fight; with
 --all-namespaces the cluster-scoped ClusterKopfPeering is used.
@@ -28,10 +28,11 @@ log = logging.getLogger("tokenlane.operator")
 
 
 def login(**kwargs: Any) -> Any:
-    """Service account first (in-cluster), then kubeconfig (kopf's own helpers)."""
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    """In-cluster service account or kubeconfig (exec / auth-provider plugins included) through
+    the official client; kopf's own readers when that client is not installed."""
+    info = kopf.login_via_client(**kwargs)
     if info is None:
-        info = kopf.login_via_client(**kwargs)  # exec/auth-provider kubeconfigs via the official client
+        info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
     if info is None:
         raise kopf.LoginError("no credentials: neither a service account nor a kubeconfig was found")
     return info

@@ -359,7 +359,8 @@ def _badly_missing(policy: RolloutPolicy, lanes: Sequence[LaneTarget],
         n = now_numbers.get(lane.name)
         if n is None:
             continue
-        for key, target, value in (("TTFT", lane.ttft_p95_ms, n.ttft_p95_ms), ("TPOT", lane.tpot_p95_ms, n.tpot_p95_ms)):
+        for key, target, value in (("TTFT", lane.ttft_p95_ms, n.ttft_p95_ms),
+                                   ("TPOT", lane.tpot_p95_ms, n.tpot_p95_ms)):
             if target is not None and value is not None and value > policy.fallback_miss_factor * target:
                 out.append(f"{lane.name} {key} p95 {value:.0f}ms > {policy.fallback_miss_factor:g} x {target:.0f}ms")
     return out

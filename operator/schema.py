@@ -485,7 +485,7 @@ def serving_lane_status() -> dict:
 
 
 def _crd(plural: str, kind: str, singular: str, short: list[str], spec: dict, status: dict,
-         columns: list[dict], scale: bool) -> dict:
+         columns: list[dict], scale: bool, root_rules: Optional[list] = None) -> dict:
     subresources: dict[str, Any] = {"status": {}}
     if scale:
         subresources["scale"] = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
@@ -515,6 +515,8 @@ def _crd(plural: str, kind: str, singular: str, short: list[str], spec: dict, st
                         "spec": spec,
                         "status": status,
                     },
+                    **({"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in root_rules]}
+                       if root_rules else {}),
                 }},
                 "subresources": subresources,
                 "additionalPrinterColumns": columns,
@@ -543,7 +545,10 @@ def model_service_crd() -> dict:
         _col("Status", '.status.conditions[?(@.type=="Ready")].reason', priority=1),
         _col("Model", ".spec.model.path", priority=1),
         _col("Age", ".metadata.creationTimestamp", "date"),
-    ], scale=True)
+    ], scale=True, root_rules=[
+        ("size(self.metadata.name) <= 50",
+         "metadata.name must be at most 50 characters (names of owned objects derive from it)"),
+    ])
 
 
 def serving_lane_crd() -> dict:
@@ -555,7 +560,10 @@ def serving_lane_crd() -> dict:
         _col("SLO Met", '.status.conditions[?(@.type=="SLOMet")].status'),
         _col("Priority", ".spec.priority", "integer", priority=1),
         _col("Age", ".metadata.creationTimestamp", "date"),
-    ], scale=False)
+    ], scale=False, root_rules=[
+        ("has(self.spec.laneName) || (size(self.metadata.name) <= 63 && !self.metadata.name.contains('.'))",
+         "metadata.name is not a valid lane name (a DNS-1123 label); set spec.laneName"),
+    ])
 
 
 CRD_FILES = {
@@ -594,13 +602,11 @@ def apply_defaults(schema: dict, value: Any) -> Any:
 
 
 def to_jsonschema(schema: dict) -> dict:
-    """Convert a structural schema to plain JSON Schema (draft 4 style exclusiveMinimum)."""
+    """Convert a structural schema to JSON Schema draft 4 (OpenAPI v3.0 keeps draft 4's boolean exclusiveMinimum)."""
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key.startswith("x-kubernetes-") or key in ("description", "default", "format"):
             continue
-        if key == "exclusiveMinimum" and value is True:
-            continue  # handled below
         if key == "properties":
             out[key] = {k: to_jsonschema(v) for k, v in value.items()}
         elif key in ("items", "additionalProperties") and isinstance(value, dict):
@@ -609,8 +615,6 @@ def to_jsonschema(schema: dict) -> dict:
             out[key] = [to_jsonschema(v) for v in value]
         else:
             out[key] = value
-    if schema.get("exclusiveMinimum") is True:
-        out["exclusiveMinimum"] = out.pop("minimum")
     if schema.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         pattern = out.pop("pattern", None)

@@ -38,9 +38,11 @@ def merge_conditions(current: Optional[list], updates: list[dict], generation: i
     return sorted(by_type.values(), key=lambda c: c.get("type", ""))
 
 
-def status_patch(current: Mapping[str, Any], wanted: Mapping[str, Any]) -> Optional[dict]:
-    """The merge patch turning `current` into `wanted` on the keys of `wanted`, or None if equal."""
-    patch = {k: v for k, v in wanted.items() if current.get(k) != v}
+def status_patch(current: Mapping[str, Any], wanted: Mapping[str, Any], clear: tuple = ()) -> Optional[dict]:
+    """The merge patch turning `current` into `wanted` on the keys of `wanted` (and removing
+    the keys of `clear` that `wanted` lacks), or None if nothing differs."""
+    patch: dict[str, Any] = {k: v for k, v in wanted.items() if current.get(k) != v}
+    patch.update({k: None for k in clear if k not in wanted and k in current})  # null = delete
     return patch or None
 
 

@@ -19,13 +19,15 @@ judged on its own):
   5. A lane misses its TTFT target because requests queue -> additive increase of its token
      and sequence budgets, multiplicative decrease of a lane with slack (batch first).
      A TTFT miss without queueing -> bigger prefill chunks for it, smaller for the donor.
-  6. A lane misses TPOT -> smaller prefill chunks (then batched tokens) in the other lanes,
-     then its own: long prefill chunks are what stall decodes.
+  6. A lane misses TPOT -> a decode waits for the whole step, so the first donor's tokens
+     per step and prefill chunk shrink (its running set too when KV usage is high: KV reads
+     dominate decode steps), the other donors' chunks shrink; then the lane's own chunks.
   7. Every lane comfortably inside its SLO and work is queueing -> probe one knob upward for
      throughput (additive increase).
 Hysteresis: a lane misses above its target, and counts as having slack only below
 `comfort_ratio` x target; in between nothing moves. Values are always clamped into the
-declared bounds; a knob without declared bounds is never touched.
+declared bounds; a knob without declared bounds is never touched; no step moves a knob by
+more than `max_step_fraction` of its value, and each knob moves at most once per decision.
 """
 
 from __future__ import annotations
@@ -535,7 +537,8 @@ class _Planner:
                 self.changes[i] = replace(change, new=batched)
                 break
         else:
-            self.changes.append(KnobChange(scope, "prefillChunkSize", chunk, batched, why + " (chunk <= batched tokens)"))
+            self.changes.append(
+                KnobChange(scope, "prefillChunkSize", chunk, batched, why + " (chunk <= batched tokens)"))
         self.budgets = self.budgets.with_value(scope, "prefillChunkSize", batched)
 
     def can_step(self, scope: str, knob: str, direction: int) -> bool:
@@ -683,7 +686,8 @@ def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: Metric
     for lane in missing:
         r = ratios[lane.name]
         m = metrics[lane.name]
-        donors = [d for d in _donor_order(lanes) if d.name != lane.name and d.priority <= lane.priority and has_slack(d)]
+        donors = [d for d in _donor_order(lanes)
+                  if d.name != lane.name and d.priority <= lane.priority and has_slack(d)]
         if r.get("ttft", 0.0) >= r.get("tpot", 0.0):
             ttft_ms = m.ttft_p95_s * 1000.0
             queue_ms = (m.queue_delay_p95_s or 0.0) * 1000.0
@@ -716,7 +720,8 @@ def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: Metric
             if sample.kv_usage is not None and sample.kv_usage >= settings.kv_busy:
                 knobs.append("maxActiveSequences")
             shrunk = [f"{d.name}.{k}" for d in donors[:1] for k in knobs if plan.step(d.name, k, -1, why)]
-            shrunk += [f"{d.name}.prefillChunkSize" for d in donors[1:] if plan.step(d.name, "prefillChunkSize", -1, why)]
+            shrunk += [f"{d.name}.prefillChunkSize" for d in donors[1:]
+                       if plan.step(d.name, "prefillChunkSize", -1, why)]
             if not shrunk and plan.step(lane.name, "prefillChunkSize", -1, why):
                 shrunk = [f"{lane.name}.prefillChunkSize"]
             if shrunk:

@@ -27,7 +27,7 @@ import copy
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import kopf
@@ -41,7 +41,7 @@ from tokenlane.operator.prometheus import PrometheusClient
 log = logging.getLogger("tokenlane.operator.tuning")
 
 TICK_S = 10.0
-HISTORY = 20  # decisions kept in status.tuning.history
+HISTORY = 30  # decisions kept in status.tuning.history (consecutive holds share one)
 ROLLOUT_CONFIGMAP_SUFFIX = "-rollout"
 COMPONENT_ROLLOUT = "rollout-guard"
 # Lane budget knobs whose bounds must not exceed the global budget (a lane cap above it has no effect).
@@ -62,8 +62,6 @@ class Tuning:
     clock: Callable[[], float] = time.time
     read_sample: SampleReader = read_prometheus
     tick_s: float = TICK_S
-    # (namespace, name) -> last hold reason category, so holds post an Event only when they start
-    _held: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -85,7 +83,8 @@ def settings_from_spec(spec: Mapping[str, Any]) -> tuner.TunerSettings:
     )
 
 
-def lane_targets(msvc: ModelService, desired: builders.Desired, budgets: tuner.EffectiveBudgets) -> list[tuner.LaneTarget]:
+def lane_targets(msvc: ModelService, desired: builders.Desired,
+                 budgets: tuner.EffectiveBudgets) -> list[tuner.LaneTarget]:
     """Each served lane with its SLO and the bounds the tuner may use: the ModelService's
     `spec.tuning.bounds` as defaults, the ServingLane's `spec.tuning.bounds` over them; a lane
     with `tuning.enabled: false` gets none. A bound with one side only keeps the other side at
@@ -205,7 +204,10 @@ async def _save_last_known_good(op: Any, cm: dict) -> None:
 
 
 async def _load_last_known_good(op: Any, namespace: str, name: str) -> Optional[dict]:
-    cm = await op.client.get(k8s.CONFIG_MAPS, namespace, rollout_configmap_name(name))
+    # A labelled list rather than a get: the operator's RBAC grants list on ConfigMaps, not get.
+    found = await op.client.list(k8s.CONFIG_MAPS, namespace,
+                                 {builders.LABEL_INSTANCE: name, builders.LABEL_COMPONENT: COMPONENT_ROLLOUT})
+    cm = next((c for c in found if c["metadata"]["name"] == rollout_configmap_name(name)), None)
     if not cm:
         return None
     try:
@@ -215,7 +217,8 @@ async def _load_last_known_good(op: Any, namespace: str, name: str) -> Optional[
         return None
 
 
-async def inputs_in_force(op: Any, msvc: ModelService, lanes: list[ServingLane]) -> tuple[ModelService, list[ServingLane]]:
+async def inputs_in_force(op: Any, msvc: ModelService,
+                          lanes: list[ServingLane]) -> tuple[ModelService, list[ServingLane]]:
     """What the operator's reconcile should render: the spec, or, while a rollback or the
     fallback is in force, the last-known-good inputs (spec untouched; replicas stay the
     user's, since scaling is not a revision). Lanes added since the LKG are left out (marked
@@ -368,7 +371,6 @@ async def tick(t: Tuning, namespace: str, name: str) -> Optional[dict]:
         else:
             decision = tuner.decide(targets, settings, budgets, sample, history, now)
         held = _hold_category(decision, sample, verifying)
-        key = (namespace, name)
         if decision.changed:
             spec_budgets = budgets_of(spec_desired)
             patch["overrides"] = tuned_overrides(patch.get("overrides", status.get("overrides")), spec_budgets,
@@ -377,11 +379,18 @@ async def tick(t: Tuning, namespace: str, name: str) -> Optional[dict]:
             kind = "Warning" if decision.action == tuner.REVERT else "Normal"
             reason = {tuner.REVERT: "TuningReverted", tuner.PROBE: "TuningProbe"}.get(decision.action, "BudgetsTuned")
             events.append((kind, reason, f"{', '.join(map(str, decision.changes))}: {decision.reason}"))
-        elif held and t._held.get(key) != held:
-            events.append(("Warning" if held in ("PrometheusUnavailable",) else "Normal", "TuningHeld", decision.reason))
-        t._held[key] = held
+        elif held and tuning_status.get("held") != held:  # an Event when a hold starts, not every interval
+            kind = "Warning" if held == "PrometheusUnavailable" else "Normal"
+            events.append((kind, "TuningHeld", decision.reason))
+        if held:
+            tuning_status["held"] = held
+        else:
+            tuning_status.pop("held", None)
         record = decision.record()
-        if decision.changed or not history or history[-1].reason != record.reason or decision.judged is not None:
+        if (record.action == tuner.HOLD and record.judged is None and history
+                and history[-1].action == tuner.HOLD and history[-1].judged is None):
+            history[-1] = record  # consecutive holds keep one entry: changes and reverts stay visible
+        else:
             history.append(record)
         tuning_status["history"] = [r.to_dict() for r in history[-HISTORY:]]
         tuning_status["lastDecision"] = {"at": _iso(now), "action": decision.action, "reason": decision.reason}

@@ -93,7 +93,7 @@ class ModelExecutor:
         if engine.kv_cache_blocks:
             return engine.kv_cache_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
+            _, total = torch.cuda.mem_get_info(self.device)
             peak = self._profile_activation_bytes()
             budget = total * engine.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - peak
             blocks = int(budget // per_block)

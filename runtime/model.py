@@ -189,7 +189,7 @@ class RotaryEmbedding:
                 sin_parts.append(s)
                 start += q
             return torch.cat(cos_parts).to(dtype), torch.cat(sin_parts).to(dtype)
-        needed = int(positions.max()) + 1 if positions.numel() else 0
+        needed = max(seq_lens, default=0)  # host-side: no device sync for the max position
         if needed > self._table_len:
             self._grow_table(max(needed, 2 * self._table_len))
         return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
@@ -389,7 +389,13 @@ class CausalLM(nn.Module):
         from safetensors import safe_open
 
         folder = Path(path)
-        files = sorted(folder.glob("*.safetensors"))
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():  # sharded checkpoint: the index names the shards
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+            files = sorted(folder / name for name in shards)
+        else:
+            # Mistral repos may also ship `consolidated.safetensors` (other weight names).
+            files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("consolidated"))
         if not files:
             raise ValueError(f"no *.safetensors weights in {str(folder)!r}")
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 # How many tokens before the unread ones are re-decoded for context (vLLM uses 5).
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
+_MAX_HELD_TOKENS = 4
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -95,7 +96,11 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
+        # A UTF-8 character spans at most 4 bytes: if that many tokens still end in an
+        # incomplete one, the bytes are invalid (random models emit such) and stay U+FFFD;
+        # emit them rather than re-decode an ever-growing window.
+        stuck = len(self.token_ids) - self.read_offset > _MAX_HELD_TOKENS
+        if len(full_text) > len(prefix_text) and (stuck or not full_text.endswith(_REPLACEMENT)):
             new_text = full_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)

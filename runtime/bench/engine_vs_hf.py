@@ -20,7 +20,9 @@ last token), TTFT p50/p99 (from t=0), and whether its greedy tokens equal ours (
 reductions in different orders can flip a near-tie; mismatches are counted, not hidden).
 The matmul-bound limit is the FLOPs the workload needs (every linear layer for every
 computed token, the LM head for every sampled token, causal attention scores) divided by
-the machine's measured float32 GEMM rate at the same thread count.
+the machine's measured float32 GEMM rate at the same thread count. On a shared host, the
+"GEMM GF/s" column (a 1024^3 GEMM probe right before each system) shows how much of the
+machine each system had.
 """
 
 from __future__ import annotations
@@ -255,12 +257,12 @@ def run_hf_static(model, work, batch_size: int) -> SystemResult:
 # --------------------------------------------------------------------------- limits
 
 
-def measure_matmul_flops(threads: int, seconds: float = 3.0) -> dict:
+def measure_matmul_flops(threads: int, seconds: float = 3.0, shapes=None) -> dict:
     """Best sustained float32 GEMM rate over shapes this model runs (tokens x hidden x out)."""
     import torch
 
     torch.set_num_threads(threads)
-    shapes = [(2048, 512, 1376 * 2), (2048, 1376, 512), (64, 512, 32000), (1024, 1024, 1024)]
+    shapes = shapes or [(2048, 512, 1376 * 2), (2048, 1376, 512), (64, 512, 32000), (1024, 1024, 1024)]
     best = {}
     per_shape = seconds / len(shapes)
     for m, k, n in shapes:
@@ -333,7 +335,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         model_dir = Path(tmp) / "llama-512"
         hf_model = build_model(model_dir)
         for name in systems:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
+            # The host may be shared: a short GEMM probe before each system shows how much
+            # of the machine it had (reported next to its numbers).
+            probe = max(measure_matmul_flops(args.threads, 0.6, shapes=[(1024, 1024, 1024)]).values())
+            print(f"running {name} (GEMM probe {probe / 1e9:.0f} GFLOP/s) ...", file=sys.stderr, flush=True)
             if name == "tokenlane":
                 res = run_tokenlane(model_dir, work, max_batched_tokens=args.max_batched_tokens,
                                     chunk=args.prefill_chunk, block_size=args.block_size)
@@ -341,6 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 res = run_hf_continuous(hf_model, work)
             else:
                 res = run_hf_static(hf_model, work, int(name.rsplit("-", 1)[1]))
+            res.extra["gemm_probe_gflops"] = probe / 1e9
             results.append(res)
             print(f"  {res.tokens_per_s:8.1f} tok/s  wall {res.wall_s:6.2f}s", file=sys.stderr, flush=True)
 
@@ -359,7 +365,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
           f"{total_out} output tokens; torch threads={args.threads}")
     print(f"{'system':<15} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'vs best HF':>10} "
-          f"{'of limit':>9}  tokens vs {reference.name}")
+          f"{'of limit':>9} {'GEMM GF/s':>9}  tokens vs {reference.name}")
     for r in results:
         ratio = r.tokens_per_s / best_hf.tokens_per_s if best_hf else float("nan")
         same = "reference" if r is reference else (
@@ -367,7 +373,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{r.mismatched_requests}/{len(work)} differ (first: req {r.first_mismatch['request']} "
             f"at token {r.first_mismatch['position']})")
         print(f"{r.name:<15} {r.tokens_per_s:8.1f} {r.wall_s:8.2f} {r.ttft_pct(50):9.2f} {r.ttft_pct(99):9.2f} "
-              f"{ratio:9.2f}x {r.tokens_per_s / limit_tps:8.1%}  {same}")
+              f"{ratio:9.2f}x {r.tokens_per_s / limit_tps:8.1%} {r.extra['gemm_probe_gflops']:9.0f}  {same}")
     print(f"matmul-bound limit: {flops['total'] / 1e9:.0f} GFLOP needed "
           f"(linear {flops['linear'] / 1e9:.0f}, lm_head {flops['lm_head'] / 1e9:.0f}, "
           f"attention {flops['attention'] / 1e9:.0f}) / {peak / 1e9:.1f} GFLOP/s measured "

@@ -93,7 +93,8 @@ def validate_custom_resource(obj: dict, crd: dict) -> list[str]:
         schema["properties"].setdefault(key, {"type": "string"})
     schema["properties"].setdefault("metadata", {"type": "object"})
     body = {k: v for k, v in obj.items() if k != "metadata"}
-    body["metadata"] = {}
+    # CEL rules see only metadata.name and metadata.generateName, as on the API server.
+    body["metadata"] = {k: v for k, v in (obj.get("metadata") or {}).items() if k in ("name", "generateName")}
     defaulted = apply_defaults(schema, body)
     validator = jsonschema.Draft7Validator(to_jsonschema(schema))
     problems = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
@@ -107,7 +108,10 @@ def validate_custom_resource(obj: dict, crd: dict) -> list[str]:
         if "oldSelf" in rule["rule"]:
             continue  # transition rules need a previous object
         program = env.program(env.compile(rule["rule"]))
-        result = program.evaluate({"self": celpy.json_to_cel(value)})
+        try:
+            result = program.evaluate({"self": celpy.json_to_cel(value)})
+        except celpy.CELEvalError as exc:  # the API server reports these as invalid too
+            result = exc
         if isinstance(result, Exception) or not bool(result):
             problems.append(f"{path or '<root>'}: {rule.get('message') or rule['rule']}")
     return problems

@@ -58,6 +58,8 @@ def _operator_calls(ns: str) -> set[Call]:
         add(group, resource, "list", "create", "patch", "delete")
     # kopf.event(): Events explaining reconciles, decisions and rollbacks.
     add("", "events", "create")
+    # ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement).
+    add("tokenlane.dev", "modelservices/finalizers", "update")
     return calls
 
 
@@ -132,10 +134,52 @@ _NAMESPACED_RESOURCES = {
 }
 
 
+def _calls_the_emulator_cannot_show(recorded: set[Call]) -> set[Call]:
+    """Calls a real cluster sees that the kmock recording cannot, derived from the code:
+    - ServiceMonitors: the emulator serves no monitoring.coreos.com kind, so the operator only
+      lists them there; on a cluster with the Prometheus Operator the executor treats them like
+      every other owned kind (operator/k8s.py OWNED), i.e. with the verbs recorded for Services.
+    - Owner references with blockOwnerDeletion (operator/builders.py owner_reference) need
+      `update` on modelservices/finalizers where the OwnerReferencesPermissionEnforcement
+      admission plugin is on (OpenShift and hardened clusters)."""
+    from tokenlane.operator import builders, k8s
+
+    calls = set()
+    if k8s.SERVICE_MONITORS in k8s.OWNED:
+        for call in recorded:
+            if (call.group, call.resource) == ("", "services"):
+                calls.add(Call(call.verb, "monitoring.coreos.com", "servicemonitors", call.namespace))
+    ref = builders.owner_reference(_ModelServiceStub())
+    if ref and ref.get("blockOwnerDeletion"):
+        calls.add(Call("update", "tokenlane.dev", "modelservices/finalizers", WORKLOAD_NAMESPACE))
+    return calls
+
+
+class _ModelServiceStub:
+    """Just enough of a ModelService for builders.owner_reference."""
+
+    name = "llm"
+
+    class ref:  # noqa: N801 - mirrors ModelService.ref
+        uid = "00000000-0000-0000-0000-000000000000"
+        name = "llm"
+
+
 def required_calls(mode: str) -> set[Call]:
     recorded = _recorded_calls(mode)
-    own = recorded if recorded is not None else _operator_calls(WORKLOAD_NAMESPACE)
+    if recorded is None:
+        own = _operator_calls(WORKLOAD_NAMESPACE)
+    else:
+        own = recorded | _calls_the_emulator_cannot_show(recorded)
     return own | _kopf_framework_calls(mode)
+
+
+def test_recorded_calls_are_used_when_present():
+    if not RECORDED.exists():
+        pytest.skip("tests/operator/api_calls.json not recorded yet")
+    recorded = _recorded_calls("cluster-wide")
+    assert Call("patch", "apps", "deployments", WORKLOAD_NAMESPACE) in recorded
+    assert required_calls("cluster-wide") >= recorded
 
 
 # ---- a small RBAC authorizer over the rendered objects

@@ -20,7 +20,8 @@ SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 
 
 def _docs() -> list[dict]:
-    return [d for p in SAMPLES for d in yaml.safe_load_all(p.read_text()) if d]
+    return [d for p in SAMPLES for d in yaml.safe_load_all(p.read_text())
+            if d and d.get("kind") in ("ModelService", "ServingLane")]
 
 
 def _sample(kind: str, name: str) -> dict:
@@ -164,6 +165,20 @@ MSVC_INVALID = [
     ("spec.model.path", "/opt/model", "with a source, path must lie under /models/"),
     ("spec.tuning.prometheusUrl", None, "tuning.enabled needs tuning.prometheusUrl"),
 ]
+
+
+def test_cel_root_rules_on_names():
+    doc = _sample("ModelService", "tiny")
+    doc["metadata"]["name"] = "m" * 51
+    doc = schema.apply_defaults(schema.crd_schema("ModelService"), doc)
+    assert any("at most 50" in f for f in cel_failures("ModelService", doc))
+    lane = _sample("ServingLane", "tiny-batch")
+    del lane["spec"]["laneName"]
+    lane["metadata"]["name"] = "team.batch"
+    defaulted = schema.apply_defaults(schema.crd_schema("ServingLane"), lane)
+    assert any("set spec.laneName" in f for f in cel_failures("ServingLane", defaulted))
+    with pytest.raises(ValueError, match="laneName"):
+        parse_serving_lane(lane)
 
 
 @pytest.mark.parametrize("field,value,message", MSVC_INVALID, ids=[c[0] + "=" + str(c[1]) for c in MSVC_INVALID])

@@ -423,7 +423,7 @@ def engine_requests(n, vocab, seed, **kw):
 
 
 def test_engine_concurrent_mixed_lengths_chunk7(model_dir):
-    reqs = engine_requests(16, 1024, seed=11)
+    reqs = engine_requests(24, 1024, seed=11, max_len=64, max_new=(4, 24))
     run_engine(model_dir, reqs, chunk=7, max_batched_tokens=40)
     assert_matches_hf(model_dir, reqs)
 
@@ -454,3 +454,33 @@ def test_engine_bf16_smoke(tiny_model_dir):
     reqs = engine_requests(4, 1024, seed=16, max_new=(5, 8))
     run_engine(tiny_model_dir, reqs, dtype="bfloat16")
     assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in reqs)
+
+
+def test_mistral_sharded_checkpoint_matches_hf(tmp_path):
+    """A Mistral checkpoint saved in shards (model.safetensors.index.json) loads and matches."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, sliding_window=None,
+                           initializer_range=0.1, max_position_embeddings=256)
+    MistralForCausalLM(config).save_pretrained(str(tmp_path), max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model = CausalLM.from_pretrained(tmp_path)
+    assert model.args.model_type == "mistral"
+    hf = hf_model(tmp_path)
+    n = 25
+    ids = torch.tensor([random.Random(5).randrange(5, 512) for _ in range(n)])
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    from tokenlane.runtime.model import AttentionMetadata
+
+    caches = [(torch.zeros(8, 4, 1, 16), torch.zeros(8, 4, 1, 16)) for _ in range(2)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), block_tables=torch.zeros((0, 1), dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32), query_start_loc=torch.zeros(1, dtype=torch.int32),
+        num_paged_tokens=0, max_query_len=0, max_seq_len=0, fresh_query_lens=[n], all_seq_lens=[n],
+        all_query_lens=[n],
+    )
+    got = model(ids, torch.arange(n), caches, meta, torch.arange(n))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -61,7 +61,7 @@ def test_incremental_equals_full_decode(tok, text):
 
 def test_incremental_random_token_streams(tok):
     rng = random.Random(0)
-    for _ in range(20):
+    for _ in range(200):
         ids = [rng.randrange(5, len(tok)) for _ in range(rng.randint(1, 40))]
         detok = IncrementalDetokenizer(tok)
         streamed = "".join(detok.add_tokens(ids[i:i + 3]) for i in range(0, len(ids), 3))
@@ -84,3 +84,15 @@ def test_find_stop_string():
     assert find_stop_string("abc STOP", ["STOP"], 1) == (4, "STOP")
     assert find_stop_string("x END y STOP", ["STOP", "END"], 12) == (2, "END")
     assert find_stop_string("abc", [""], 3) is None
+
+
+def test_invalid_bytes_do_not_grow_the_window(tok):
+    """Byte tokens that never complete a character are emitted (as U+FFFD) after a few
+    tokens instead of being re-decoded forever."""
+    lone = [i for i in range(5, 300) if tok.decode([i]) == "\ufffd"]
+    assert lone, "expected byte tokens that decode to U+FFFD alone"
+    detok = IncrementalDetokenizer(tok)
+    for _ in range(50):
+        detok.add_tokens([lone[0]])
+    assert len(detok.token_ids) - detok.prefix_offset < 12
+    assert detok.text.count("\ufffd") >= 40

@@ -81,8 +81,6 @@ async def guarded_cluster(kmock):
     def fast(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.watching.reconnect_backoff = 0.1
         settings.posting.enabled = True
-        settings.batching.idle_timeout = 0.05
-        settings.batching.batch_window = 0.01
         settings.persistence.consistency_timeout = 0.5
 
     stop = asyncio.Event()

@@ -55,7 +55,8 @@ def budgets_in_bounds(draw) -> EffectiveBudgets:
         values.setdefault("maxBatchedTokens", 8192)
         values.setdefault("maxActiveSequences", 64)
         if "prefillChunkSize" in values and values["prefillChunkSize"] > values["maxBatchedTokens"]:
-            values["prefillChunkSize"], values["maxBatchedTokens"] = values["maxBatchedTokens"], values["prefillChunkSize"]
+            chunk, batched = values["prefillChunkSize"], values["maxBatchedTokens"]
+            values["prefillChunkSize"], values["maxBatchedTokens"] = batched, chunk
         out[lane.name] = values
     wm = draw(st.floats(0.7, 0.9))
     return EffectiveBudgets(out, {"kvCacheHighWatermark": round(wm, 2)})

@@ -1,0 +1,63 @@
+"""Planner: desired vs observed -> actions, table-driven."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tokenlane.operator.builders import ANNOTATION_APPLIED_HASH, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
+from tokenlane.operator.planner import first_difference, plan
+
+
+def obj(kind="ConfigMap", name="m-config", data=None, applied="h1", owner="m", **extra):
+    o = {"apiVersion": "v1", "kind": kind,
+         "metadata": {"name": name, "namespace": "ns", "labels": {LABEL_MANAGED_BY: MANAGED_BY, LABEL_INSTANCE: owner},
+                      "annotations": {ANNOTATION_APPLIED_HASH: applied}},
+         "data": data or {"a": "1"}}
+    o.update(extra)
+    return o
+
+
+def server_copy(o, **changes):
+    """What the API server returns: our fields plus defaults and bookkeeping."""
+    c = copy.deepcopy(o)
+    c["metadata"].update({"uid": "x", "resourceVersion": "7", "managedFields": []})
+    c["metadata"].update(changes.pop("metadata", {}))
+    c.update(changes)
+    return c
+
+
+CASES = [
+    ("missing -> create", [obj()], [], [("create", "m-config", "missing")]),
+    ("equal -> nothing", [obj()], [server_copy(obj())], []),
+    ("server defaults are not drift", [obj(spec={"ports": [{"port": 80}]})],
+     [server_copy(obj(spec={"ports": [{"port": 80, "protocol": "TCP"}]}))], []),
+    ("builder output changed -> apply", [obj(data={"a": "2"}, applied="h2")], [server_copy(obj())],
+     [("apply", "m-config", "changed")]),
+    ("edited by someone -> apply (drift)", [obj()], [server_copy(obj(), data={"a": "9"})],
+     [("apply", "m-config", "drifted: data.a")]),
+    ("list length differs -> drift", [obj(spec={"x": [1, 2]})], [server_copy(obj(spec={"x": [1]}))],
+     [("apply", "m-config", "drifted: spec.x")]),
+    ("int-or-string equal", [obj(spec={"maxUnavailable": 1})], [server_copy(obj(spec={"maxUnavailable": "1"}))], []),
+    ("ours, not desired -> delete", [], [server_copy(obj(name="old"))], [("delete", "old", "not desired")]),
+    ("not ours -> left alone", [], [server_copy(obj(name="theirs", owner="other"))], []),
+    ("being deleted -> create again", [obj()], [server_copy(obj(), metadata={"deletionTimestamp": "t"})],
+     [("create", "m-config", "missing")]),
+    ("order: create/apply before delete", [obj(name="new")], [server_copy(obj(name="old"))],
+     [("create", "new", "missing"), ("delete", "old", "not desired")]),
+]
+
+
+@pytest.mark.parametrize("desired,observed,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_plan(desired, observed, expected):
+    actions = plan(desired, observed, "m")
+    assert [(a.verb, a.key[3], a.reason) for a in actions] == expected
+    for a in actions:
+        assert (a.obj is None) == (a.verb == "delete")
+
+
+def test_first_difference_paths():
+    assert first_difference({"a": {"b": [1, {"c": 2}]}}, {"a": {"b": [1, {"c": 3}]}}) == ".a.b[1].c"
+    assert first_difference({"a": 1}, {"a": 1, "extra": 2}) is None
+    assert first_difference({"a": {"b": 1}}, {"a": None}) == ".a"

@@ -1,0 +1,42 @@
+"""The engine-vs-transformers benchmark script: its workload and FLOP accounting, and (slow)
+a two-request end-to-end run of every system."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenlane.runtime.bench import engine_vs_hf as bench
+
+
+def test_workload_is_the_issue_workload():
+    work = bench.make_workload()
+    assert len(work) == 64
+    assert work == bench.make_workload()  # random.Random(0): reproducible
+    assert all(16 <= len(p) <= 512 and 8 <= n <= 128 for p, n in work)
+    assert all(3 <= t < 32000 for p, _ in work for t in p)
+
+
+def test_flops_accounting():
+    work = [([5] * 10, 3)]
+    f = bench.workload_flops(work)
+    h, i, layers = 512, 1376, 4
+    per_token = 2 * layers * (h * (8 + 2 * 4) * 64 + 8 * 64 * h + 3 * h * i)
+    assert f["linear"] == 12 * per_token  # 10 prompt tokens + 2 fed-back outputs
+    assert f["lm_head"] == 3 * 2 * h * 32000
+    assert f["attention"] == layers * 4 * 8 * 64 * sum(range(1, 13))
+
+
+@pytest.mark.slow
+def test_two_request_run_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    assert bench.main(["--num-requests", "2", "--matmul-seconds", "0.2", "--json", str(out),
+                       "--systems", "tokenlane,hf-continuous,hf-static-8"]) == 0
+    doc = json.loads(out.read_text())
+    names = [s["name"] for s in doc["systems"]]
+    assert names == ["tokenlane", "hf-continuous", "hf-static-8"]
+    for s in doc["systems"]:
+        assert s["output_tokens"] == doc["workload"]["output_tokens"]
+        assert s["output_tokens_per_s"] > 0
+    assert doc["matmul_bound_output_tokens_per_s"] > 0

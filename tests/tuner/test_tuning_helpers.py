@@ -1,0 +1,83 @@
+"""The pure helpers of operator/tuning.py: bounds from the CRDs, overrides, merge patches."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from tokenlane.operator import builders, tuning
+from tokenlane.operator.model import parse_model_service, parse_serving_lane
+from tokenlane.operator.tuner import Bounds, EffectiveBudgets
+
+SAMPLES = Path(__file__).parents[2] / "manifests" / "samples" / "tiny-cpu.yaml"
+
+
+def _parsed(tuning_spec: dict, lane_tuning: dict | None = None):
+    msvc, interactive, batch = [d for d in yaml.safe_load_all(SAMPLES.read_text()) if d]
+    msvc = copy.deepcopy(msvc)
+    msvc["spec"]["tuning"] = tuning_spec
+    if lane_tuning is not None:
+        batch["spec"]["tuning"] = lane_tuning
+    lanes = [parse_serving_lane(interactive), parse_serving_lane(batch)]
+    return parse_model_service(msvc), lanes
+
+
+def test_lane_bounds_come_from_the_model_service_and_the_lane():
+    msvc, lanes = _parsed(
+        {"enabled": True, "prometheusUrl": "http://p:9090",
+         "bounds": {"maxBatchedTokens": {"min": 128, "max": 4096}, "maxActiveSequences": {"min": 2},
+                    "kvCacheHighWatermark": {"min": 0.7, "max": 0.9}}},
+        {"bounds": {"maxBatchedTokens": {"min": 256, "max": 384}}},
+    )
+    desired = builders.build(msvc, lanes)
+    budgets = tuning.budgets_of(desired)
+    targets = {t.name: t for t in tuning.lane_targets(msvc, desired, budgets)}
+    # The global default, capped at the global maxBatchedTokens (512): a lane cap above it does nothing.
+    assert targets["interactive"].bounds["maxBatchedTokens"] == Bounds(128, 512)
+    # One-sided bound: the other side stays at the current value (interactive has 8 sequences).
+    assert targets["interactive"].bounds["maxActiveSequences"] == Bounds(2, 8)
+    assert targets["batch"].bounds["maxBatchedTokens"] == Bounds(256, 384)  # the lane's own bounds win
+    assert targets["interactive"].ttft_p95_ms == 1000 and targets["batch"].ttft_p95_ms is None
+    settings = tuning.settings_from_spec(msvc.spec)
+    assert settings.global_bounds["kvCacheHighWatermark"] == Bounds(0.7, 0.9)
+    assert settings.max_step_fraction == 0.25 and settings.window_s == 300
+
+
+def test_a_lane_can_opt_out_of_tuning():
+    msvc, lanes = _parsed({"enabled": True, "prometheusUrl": "http://p:9090",
+                           "bounds": {"maxBatchedTokens": {"min": 128, "max": 512}}}, {"enabled": False})
+    desired = builders.build(msvc, lanes)
+    targets = {t.name: t for t in tuning.lane_targets(msvc, desired, tuning.budgets_of(desired))}
+    assert targets["batch"].bounds == {} and targets["interactive"].bounds
+
+
+def test_overrides_hold_only_values_that_differ_from_the_spec():
+    spec = EffectiveBudgets({"a": {"maxBatchedTokens": 512, "maxActiveSequences": 8}}, {"kvCacheHighWatermark": 0.88})
+    tuned = EffectiveBudgets({"a": {"maxBatchedTokens": 384, "maxActiveSequences": 8}}, {"kvCacheHighWatermark": 0.86})
+    current = {"engine": {"continuousBatching": False}, "lanes": {"a": {"maxActiveSequences": 6}}}
+    out = tuning.tuned_overrides(current, spec, tuned)
+    assert out == {"engine": {"continuousBatching": False}, "lanes": {"a": {"maxBatchedTokens": 384}},
+                   "scheduler": {"kvCacheHighWatermark": 0.86}}
+    back = tuning.tuned_overrides(out, spec, spec)
+    assert back == {"engine": {"continuousBatching": False}}
+
+
+def test_diff_patch_deletes_with_none():
+    old = {"lanes": {"a": {"x": 1, "y": 2}}, "scheduler": {"z": 3}}
+    new = {"lanes": {"a": {"x": 1}}}
+    assert tuning.diff_patch(old, new) == {"lanes": {"a": {"y": None}}, "scheduler": None}
+
+
+def test_spec_revision_ignores_status_overrides_and_replicas():
+    msvc, lanes = _parsed({"enabled": False})
+    rev, _ = tuning.spec_revision(msvc, lanes)
+    scaled = parse_model_service({"metadata": {"name": "tiny", "namespace": "tokenlane-demo"},
+                                  "spec": {**msvc.spec, "replicas": 3},
+                                  "status": {"overrides": {"lanes": {"batch": {"maxBatchedTokens": 128}}}}})
+    assert tuning.spec_revision(scaled, lanes)[0] == rev
+    changed = parse_model_service({"metadata": {"name": "tiny", "namespace": "tokenlane-demo"},
+                                   "spec": {**msvc.spec,
+                                            "scheduler": {**msvc.spec["scheduler"], "prefillChunkSize": 64}}})
+    assert tuning.spec_revision(changed, lanes)[0] != rev
