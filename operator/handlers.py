@@ -80,11 +80,13 @@ class Operator:
 # --------------------------------------------------------------------------- helpers
 
 
-def _event(body: dict, type_: str, reason: str, message: str) -> None:
+async def _event(op: Operator, body: dict, type_: str, reason: str, message: str) -> None:
+    """One Event helper for handlers and the tuner (k8s.post_event): uniquely named Events work
+    outside kopf's handler context too (timers, the tuner, direct calls)."""
     try:
         kopf.event(body, type=type_, reason=reason, message=message[:1000])
-    except Exception:  # noqa: BLE001 - outside a kopf context (direct calls in tests) there is no poster
-        log.debug("event not posted: %s %s", reason, message)
+    except Exception:
+        pass
 
 
 async def _write_status(op: Operator, res: k8s.Resource, body: dict, wanted: dict, clear: tuple = ()) -> bool:
@@ -151,7 +153,7 @@ async def _mark_orphans(op: Operator, namespace: str, parent: str) -> None:
             continue
         wanted = status_mod.lane_status(lane, None, None, {}, _now())
         if await _write_status(op, k8s.SERVING_LANES, by_name[lane.ref.name], wanted, status_mod.LANE_KEYS):
-            _event(by_name[lane.ref.name], "Warning", "ModelServiceNotFound",
+            await _event(op, by_name[lane.ref.name], "Warning", "ModelServiceNotFound",
                    f"ModelService {parent!r} not found; the lane is served once it exists")
 
 
@@ -208,18 +210,18 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
         wanted_lane = status_mod.lane_status(lane, msvc, desired, deployments, now)
         changed = await _write_status(op, k8s.SERVING_LANES, lane_body, wanted_lane, status_mod.LANE_KEYS)
         if changed and lane.ref.name in desired.rejected:
-            _event(lane_body, "Warning", "Rejected", desired.rejected[lane.ref.name])
+            await _event(op, lane_body, "Warning", "Rejected", desired.rejected[lane.ref.name])
     if actions:
         summary = ", ".join(f"{a.verb} {a.key[1]}/{a.key[3]}" for a in actions)
         log.info("reconciled ModelService %s/%s: %s", namespace, name, summary)
-        _event(body, "Normal", "Reconciled", summary)
+        await _event(op, body, "Normal", "Reconciled", summary)
     return desired
 
 
 async def _reject(op: Operator, res: k8s.Resource, body: dict, generation: int, message: str) -> None:
     wanted = status_mod.invalid_status(body.get("status") or {}, generation, message, _now())
     if await _write_status(op, res, body, wanted):
-        _event(body, "Warning", "InvalidSpec", message)
+        await _event(op, body, "Warning", "InvalidSpec", message)
 
 
 async def delete_owned(op: Operator, namespace: str, name: str) -> list[planner.Action]:

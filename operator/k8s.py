@@ -219,6 +219,42 @@ class KubeClient:
         return any(r.get("name") == res.plural for r in (payload or {}).get("resources") or [])
 
 
+def event_for(body: Mapping[str, Any], type_: str, reason: str, message: str, *,
+              now: Optional[float] = None, component: str = FIELD_MANAGER) -> dict:
+    """A core/v1 Event about `body`, named like kubectl's (`<object>.<unique hex>`): unique
+    names instead of generateName, which some servers (the kmock emulator) do not honour."""
+    import datetime
+    import uuid
+
+    meta = body.get("metadata") or {}
+    when = datetime.datetime.fromtimestamp(time.time() if now is None else now, datetime.timezone.utc)
+    stamp = when.replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace")},
+        "involvedObject": {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "name": meta["name"],
+                           "namespace": meta.get("namespace"), "uid": meta.get("uid"),
+                           "resourceVersion": meta.get("resourceVersion")},
+        "type": type_, "reason": reason, "message": message[:1024],
+        "source": {"component": component}, "reportingComponent": component,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+    }
+
+
+async def post_event(client: KubeClient, body: Mapping[str, Any], type_: str, reason: str, message: str, *,
+                     now: Optional[float] = None) -> bool:
+    """Post an Event about `body` (best effort: an Event never fails a reconcile or a decision).
+    Works in and outside kopf handlers (timers, direct calls), unlike kopf.event()."""
+    event = event_for(body, type_, reason, message, now=now)
+    try:
+        await client.create(EVENTS, event)
+        return True
+    except ApiError as exc:
+        meta = body.get("metadata") or {}
+        log.warning("could not post Event %s for %s/%s: %s", reason, meta.get("namespace"), meta.get("name"), exc)
+        return False
+
+
 class Executor:
     """Observes the objects a ModelService owns and carries out planner actions."""
 

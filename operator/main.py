@@ -6,9 +6,12 @@
 
 Login: in-cluster service account, else KUBECONFIG / ~/.kube/config, through the official
 `kubernetes` client (kopf's piggybacking); the executor reuses kopf's credentials.
-Peering: with --peering (default "tokenlane") replicas elect one active operator through
-kopf's KopfPeering objects (their CRDs are in crds/), so two replicas never fight; with
---all-namespaces the cluster-scoped ClusterKopfPeering is used.
+Peering: with --peering (default "tokenlane") every instance writes keep-alives into kopf's
+KopfPeering object of that name (ClusterKopfPeering with --all-namespaces; CRDs in crds/), and
+an instance that sees a live peer with a higher --priority pauses until that peer is gone
+(how `kopf run --dev` or `kopf freeze` take over safely). This is not leader election: two
+instances of equal priority both keep running, which is why the Deployment in manifests/ runs
+one replica with the Recreate strategy (docs/operations.md, "One operator at a time").
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                        help="watch this namespace (repeatable; globs like 'team-*' work)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster")
     peer = parser.add_mutually_exclusive_group()
-    peer.add_argument("--peering", default="tokenlane", help="kopf peering name for leader election")
+    peer.add_argument("--peering", default="tokenlane", help="kopf peering object: instances pause while a higher-priority peer runs")
     peer.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
-    parser.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    parser.add_argument("--priority", type=int, default=0, help="peering priority of this instance (the highest live one runs)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="liveness endpoint URL served by kopf ('' to disable)")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 to disable)")

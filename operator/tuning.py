@@ -460,26 +460,9 @@ def diff_patch(old: Any, new: Any) -> Any:
 
 
 async def post_event(op: Any, body: Mapping[str, Any], type_: str, reason: str, message: str, now: float) -> None:
-    """A core/v1 Event about the ModelService, named like kubectl's (`<name>.<unique>`), so it
-    works without kopf's posting context and on servers without generateName."""
-    import uuid
-
-    meta = body.get("metadata") or {}
-    stamp = _iso(now)
-    event = {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace")},
-        "involvedObject": {"apiVersion": body.get("apiVersion", k8s.MODEL_SERVICES.api_version),
-                           "kind": body.get("kind", "ModelService"), "name": meta["name"],
-                           "namespace": meta.get("namespace"), "uid": meta.get("uid")},
-        "type": type_, "reason": reason, "message": message[:1024],
-        "source": {"component": "tokenlane-operator"}, "reportingComponent": "tokenlane-operator",
-        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
-    }
-    try:
-        await op.client.create(k8s.EVENTS, event)
-    except k8s.ApiError as exc:  # an Event is best effort: never fail a decision over it
-        log.warning("could not post Event %s for %s/%s: %s", reason, meta.get("namespace"), meta["name"], exc)
+    """A Warning/Normal Event about the ModelService (the operator's one Event helper)."""
+    body = {"apiVersion": k8s.MODEL_SERVICES.api_version, "kind": "ModelService", **body}
+    await k8s.post_event(op.client, body, type_, reason, message, now=now)
 
 
 def _hold_category(decision: tuner.Decision, sample: tuner.MetricSample, verifying: bool) -> Optional[str]:

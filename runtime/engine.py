@@ -36,7 +36,8 @@ from tokenlane.runtime.stats import EngineObserver, LaneStepStats, StepStats
 
 log = logging.getLogger(__name__)
 
-# A step failing this many times in a row means the executor is broken: raise (unhealthy).
+# This many steps in a row in which the executor failed for every request (each also run
+# alone) mean the executor is broken: raise (the loop goes unhealthy).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
@@ -294,14 +295,60 @@ class LLMEngine:
         try:
             output = self.executor.execute(plan)
         except Exception as exc:
-            # The step's requests fail; every other request keeps going.
-            self._failures += 1
-            log.exception("executor step failed (%d in a row)", self._failures)
-            output = ExecutorOutput(errors={c.request.request_id: f"executor error: {exc}" for c in plan.chunks})
-            if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                raise
-            return output
+            log.exception("executor step of %d chunks failed", len(plan.chunks))
+            return self._execute_isolating(plan, exc)
         self._failures = 0
+        return output
+
+    def _execute_isolating(self, plan: StepPlan, exc: Exception) -> ExecutorOutput:
+        """Re-run a failed step in halves until the failing chunks stand alone: they end as
+        errors, every other request keeps its token. Chunks of one step are independent
+        (each reads only K/V computed in earlier steps), and re-writing a chunk's K/V
+        writes the same values, so re-running is safe.
+
+        A step in which nothing succeeded counts toward MAX_CONSECUTIVE_STEP_FAILURES (any
+        success resets the count); at that many in a row the executor is broken and the error
+        propagates (the loop goes unhealthy). So a bad request never fails another request,
+        and while other requests run it never counts against the engine; only a request that
+        is alone in its steps, failing three times in a row, looks like a broken executor
+        (inputs are validated so that none can make the executor raise)."""
+        output = ExecutorOutput()
+        failed_alone: dict[str, str] = {}
+        succeeded = False
+        if len(plan.chunks) == 1:  # already alone
+            failed_alone[plan.chunks[0].request.request_id] = f"executor error: {exc}"
+            pending = []
+        else:
+            pending = [plan.chunks[len(plan.chunks) // 2:], plan.chunks[: len(plan.chunks) // 2]]
+        # The first sub-step repeats the step's block copies and executor clean-up (both
+        # idempotent) in case the failure came before them.
+        first = {"block_copies": plan.block_copies, "finished": plan.finished, "preempted": plan.preempted}
+        while pending:
+            chunks = pending.pop()
+            sub = StepPlan(chunks=chunks, num_batched_tokens=sum(c.num_tokens for c in chunks), **first)
+            first = {}
+            try:
+                part = self.executor.execute(sub)
+            except Exception as sub_exc:
+                exc = sub_exc
+                if len(chunks) == 1:
+                    failed_alone[chunks[0].request.request_id] = f"executor error: {sub_exc}"
+                else:
+                    half = len(chunks) // 2
+                    pending += [chunks[half:], chunks[:half]]
+                continue
+            succeeded = True
+            output.sampled.update(part.sampled)
+            output.errors.update(part.errors)
+            output.step_seconds += part.step_seconds
+        output.errors.update(failed_alone)
+        if succeeded:
+            self._failures = 0
+            return output
+        self._failures += 1
+        log.error("executor failed for every request of the step (%d steps in a row)", self._failures)
+        if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise exc
         return output
 
     def _outputs(self, got_token: list) -> list[RequestOutput]:

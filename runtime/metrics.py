@@ -61,6 +61,27 @@ SLO_KEYS = {"ttft_p95": "ttft_p95_ms", "tpot_p95": "tpot_p95_ms", "e2e_p95": "e2
 
 CONFIG_RELOAD_RESULTS = ("success", "invalid", "restart_required", "error")
 
+# The `requests_total` (outcome, reason) pairs created at zero for every configured lane and
+# tenant, so a rate() over them works from the first scrape (a counter that first appears
+# already at its final value has no rate). The reasons the engine and server produce; a bounded
+# set (lanes x tenants x these), never derived from request data.
+EXPECTED_OUTCOMES = (
+    ("finished", "eos"),
+    ("finished", "stop_token"),
+    ("finished", "stop_string"),
+    ("finished", "max_tokens"),
+    ("finished", "max_model_len"),
+    ("cancelled", "cancelled"),
+    ("cancelled", "client_disconnect"),
+    ("timeout", "queue_timeout"),
+    ("timeout", "deadline"),
+    ("rejected", "queue_full"),
+    ("rejected", "kv_watermark"),
+    ("rejected", "deadline"),
+    ("rejected", "draining"),
+    ("error", "other"),
+)
+
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 
@@ -164,6 +185,8 @@ class PrometheusMetrics:
         )
         for result in CONFIG_RELOAD_RESULTS:  # present from the start, so rate() works at once
             self.config_reloads.labels(model, result)
+        for metric in (self.step_time, self.batch_tokens, self.preemptions, self.prefix_queries, self.prefix_hits):
+            metric.labels(model)
         self._lanes: set[str] = set()
         self._restart_hash: Optional[str] = None
 
@@ -200,6 +223,8 @@ class PrometheusMetrics:
             for tenant in tenants:
                 self.prompt_tokens.labels(m, name, tenant)
                 self.generation_tokens.labels(m, name, tenant)
+                for outcome, reason in EXPECTED_OUTCOMES:
+                    self.requests.labels(m, name, tenant, outcome, reason)
         self._lanes = lanes
         self.kv_watermark.labels(m, "high").set(config.scheduler.kv_cache_high_watermark)
         self.kv_watermark.labels(m, "reject").set(config.scheduler.kv_cache_reject_watermark)

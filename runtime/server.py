@@ -111,6 +111,12 @@ class TextCodec:
         span = max(1, self.vocab_size - low)
         return [low + zlib.crc32(data[i:i + step]) % span for i in range(0, len(data), step)]
 
+    @staticmethod
+    def synthetic_text(token_ids: list[int]) -> str:
+        """Placeholder text of generated ids when there is no tokenizer: one word per token,
+        so streaming clients see a chunk per token (TTFT/TPOT measurable over HTTP)."""
+        return "".join(f" t{t}" for t in token_ids)
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             return self._synthetic(text)
@@ -568,12 +574,13 @@ async def _generate(state: ServerState, caller: Caller, body, http: HTTPRequest,
 
     model = state.model_name
     created = int(time.time())
+    synthetic = state.codec.tokenizer is None
 
     if body.stream:
         idle_s = state.config.scheduler.stream_idle_timeout_ms / 1000.0
         progress = _Progress(finished=first.finished)
         events = _chat_events if chat else _completion_events
-        gen = events(request, stream, first, model, created, body.include_usage_in_stream, progress)
+        gen = events(request, stream, first, model, created, body.include_usage_in_stream, progress, synthetic)
 
         def on_close(how: str) -> None:
             if not progress.finished:
@@ -598,7 +605,10 @@ async def _generate(state: ServerState, caller: Caller, body, http: HTTPRequest,
         raise
     finished = True
     last = outputs[-1]
-    text = "".join(o.new_text for o in outputs)
+    if synthetic:
+        text = "".join(TextCodec.synthetic_text(o.new_token_ids) for o in outputs)
+    else:
+        text = "".join(o.new_text for o in outputs)
     err = _error_of_final(last)
     if err is not None:  # cancelled by the server, or failed, part way: no partial answer
         return _api_error_response(err, headers=routing)
@@ -630,13 +640,18 @@ class _Progress:
     finished: bool  # the engine sent the request's final output (nothing left to abort)
 
 
-async def _outputs(stream, first, progress: _Progress) -> AsyncIterator[Any]:
-    yield first
+async def _outputs(stream, first, progress: _Progress, synthetic: bool) -> AsyncIterator[Any]:
+    """The request's outputs, `first` included; `synthetic` (no tokenizer) gives each token a
+    placeholder text so every token is a chunk."""
     out = first
-    while not out.finished:
+    while True:
+        if synthetic and out.new_token_ids:
+            out.new_text = TextCodec.synthetic_text(out.new_token_ids)
+        yield out
+        if out.finished:
+            return
         out = await stream.__anext__()
         progress.finished = out.finished
-        yield out
 
 
 def _stream_error(out) -> Optional[APIError]:
@@ -650,10 +665,11 @@ def _usage_payload(last) -> dict:
     return Usage.of(last.num_prompt_tokens, last.num_output_tokens).model_dump()
 
 
-async def _completion_events(request, stream, first, model, created, include_usage, progress) -> AsyncIterator[str]:
+async def _completion_events(request, stream, first, model, created, include_usage, progress,
+                             synthetic) -> AsyncIterator[str]:
     base = {"id": request.request_id, "object": "text_completion", "created": created, "model": model}
     last = first
-    async for out in _outputs(stream, first, progress):
+    async for out in _outputs(stream, first, progress, synthetic):
         last = out
         err = _stream_error(out)
         if err is not None:
@@ -670,7 +686,8 @@ async def _completion_events(request, stream, first, model, created, include_usa
     yield "data: [DONE]\n\n"
 
 
-async def _chat_events(request, stream, first, model, created, include_usage, progress) -> AsyncIterator[str]:
+async def _chat_events(request, stream, first, model, created, include_usage, progress,
+                       synthetic) -> AsyncIterator[str]:
     base = {"id": request.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(delta: dict, finish: Optional[str]) -> dict:
@@ -681,7 +698,7 @@ async def _chat_events(request, stream, first, model, created, include_usage, pr
 
     yield _sse(chunk({"role": "assistant", "content": ""}, None))
     last = first
-    async for out in _outputs(stream, first, progress):
+    async for out in _outputs(stream, first, progress, synthetic):
         last = out
         err = _stream_error(out)
         if err is not None:

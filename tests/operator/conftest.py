@@ -129,10 +129,15 @@ class Cluster:
                 out.add(name_)
         return out
 
-    def events(self) -> list[dict]:
-        # From the request log: kmock ignores generateName, so only the first Event gets stored.
-        return [copy.deepcopy(r.data) for r in list(self.kmock)
-                if r.resource is not None and r.resource.plural == "events" and isinstance(r.data, dict)]
+    def events(self, ns: str = NS) -> list[dict]:
+        """The Events the emulator stored (a POST it refused, e.g. a name clash, is not here)."""
+        return [copy.deepcopy(obj.raw) for (res, ns_, _), obj in list(self.kmock.objects.items())
+                if res.plural == "events" and ns_ == ns and not obj.deleted]
+
+    def events_about(self, kind: str, name: str, reason: str, ns: str = NS) -> list[dict]:
+        return [e for e in self.events(ns) if e.get("reason") == reason
+                and (e.get("involvedObject") or {}).get("kind") == kind
+                and (e.get("involvedObject") or {}).get("name") == name]
 
     async def wait_for(self, predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
         deadline = time.monotonic() + timeout

@@ -64,7 +64,8 @@ async def test_tokenlane_operator_cli_against_kmock(declared, tmp_path):
         sample = Path(__file__).resolve().parents[2] / "manifests" / "samples" / "tiny-cpu.yaml"
         docs = [d for d in yaml.safe_load_all(sample.read_text()) if d and d.get("kind")]
         for d in docs[:2]:
-            d["metadata"].update(uid="u-" + d["metadata"]["name"], generation=1, resourceVersion="1")
+            d["metadata"].update(uid="u-" + d["metadata"]["name"], generation=1, resourceVersion="1",
+                                 namespace="tokenlane-demo")  # the samples leave it to `kubectl -n`
             await client.create(k8s.resource_for(d["apiVersion"], d["kind"]), d)
         deadline = time.monotonic() + 60
         cm = None

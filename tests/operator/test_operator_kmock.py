@@ -163,7 +163,10 @@ async def test_invalid_specs_get_conditions_and_events(cluster, tiny_samples):
     assert cond["status"] == "True" and cond["reason"] == "InvalidSpec"
     assert "kvCacheHighWatermark" in cond["message"]
     assert cluster.obj("deployments", "broken") is None
-    await cluster.wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in cluster.events()))
+    event = (await cluster.wait_for(lambda: cluster.events_about("ModelService", "broken", "InvalidSpec"),
+                                    what="an InvalidSpec Event about the ModelService"))[0]
+    assert event["type"] == "Warning" and "kvCacheHighWatermark" in event["message"]
+    assert event["involvedObject"]["uid"] == "uid-modelservice-broken"
 
     # A good ModelService with one invalid lane and one lane clashing: the rest keeps working.
     await cluster.create(msvc)
@@ -182,6 +185,14 @@ async def test_invalid_specs_get_conditions_and_events(cluster, tiny_samples):
     deg = await cluster.wait_for(lambda: cluster.condition("modelservices", "tiny", "Degraded")["reason"]
                                  == "LanesRejected" and cluster.condition("modelservices", "tiny", "Degraded"))
     assert deg["status"] == "True" and "already used" in deg["message"]
+    # Every refusal is an Event too (uniquely named, so the emulator stores each of them).
+    lane_event = (await cluster.wait_for(lambda: cluster.events_about("ServingLane", "tiny-batch", "InvalidSpec"),
+                                         what="an InvalidSpec Event about the lane"))[0]
+    assert lane_event["type"] == "Warning" and "prefillChunkSize" in lane_event["message"]
+    rejected = (await cluster.wait_for(lambda: cluster.events_about("ServingLane", "tiny-interactive-2", "Rejected"),
+                                       what="a Rejected Event about the clashing lane"))[0]
+    assert "already used" in rejected["message"]
+    assert cluster.events_about("ModelService", "tiny", "Reconciled")
 
     # Fixing the lane spec admits it.
     await cluster.patch_spec("servinglanes", "tiny-batch", {"budgets": {"maxBatchedTokens": 2048}})

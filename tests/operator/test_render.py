@@ -21,7 +21,7 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 @pytest.mark.parametrize("sample", ["llama3-8b.yaml", "tiny-cpu.yaml"])
 def test_golden_render(sample, capsys):
-    assert render.main(["-f", str(SAMPLES / sample), "--service-monitor"]) == 0
+    assert render.main(["-n", "tokenlane", "-f", str(SAMPLES / sample), "--service-monitor"]) == 0
     out = capsys.readouterr().out
     golden = GOLDEN / sample
     if os.environ.get("TOKENLANE_REGEN_GOLDEN"):
@@ -29,7 +29,22 @@ def test_golden_render(sample, capsys):
         golden.write_text(out)
     assert out == golden.read_text(), f"render of {sample} changed; TOKENLANE_REGEN_GOLDEN=1 to accept"
     docs = list(yaml.safe_load_all(out))
-    assert all(d["metadata"]["namespace"] == "tokenlane-demo" for d in docs)
+    assert all(d["metadata"]["namespace"] == "tokenlane" for d in docs)
+
+
+def test_samples_leave_the_namespace_to_kubectl_and_kustomize():
+    """`kubectl apply -n NS -f` and the samples kustomization decide the namespace: a namespace
+    written in a sample would make `-n` fail and disagree with the overlay's."""
+    for sample in SAMPLES.glob("*.yaml"):
+        for doc in yaml.safe_load_all(sample.read_text()):
+            if doc and doc.get("kind") in ("ModelService", "ServingLane"):
+                assert "namespace" not in doc["metadata"], f"{sample.name}: {doc['metadata']}"
+    assert yaml.safe_load((SAMPLES / "kustomization.yaml").read_text())["namespace"] == "tokenlane"
+
+
+def test_render_without_namespace_uses_default(capsys):
+    assert render.main(["-f", str(SAMPLES / "tiny-cpu.yaml")]) == 0
+    assert {d["metadata"]["namespace"] for d in yaml.safe_load_all(capsys.readouterr().out)} == {"default"}
 
 
 def test_render_folder_ignores_other_kinds(capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -246,6 +248,17 @@ engine: {{executor: simulated, kvCacheBlocks: 512}}
         assert r.json()["usage"] == {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert len(r.json()["choices"][0]["message"]["content"].split()) == 3  # a placeholder word per token
+        # Streaming sends a chunk per token (not everything at the end), so TTFT is measurable.
+        for path, body in (("/v1/completions", {"prompt": "hi there"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            with c.stream("POST", path, json={**body, "max_tokens": 6, "ignore_eos": True, "stream": True}) as r:
+                assert r.status_code == 200
+                events = [json.loads(line[5:]) for line in r.iter_lines()
+                          if line.startswith("data:") and line != "data: [DONE]"]
+            texts = [ch.get("text") or (ch.get("delta") or {}).get("content")
+                     for e in events for ch in e["choices"]]
+            assert len([t for t in texts if t]) == 6, texts
 
 
 def test_long_text_prompt_is_tokenized_off_loop_and_served(shared_server, reference):

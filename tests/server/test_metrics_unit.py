@@ -110,3 +110,35 @@ def test_step_stats_and_lane_removal():
     m.on_config_applied(loads_config("model: {path: /models/tiny, servedName: tiny}\nlanes: [{name: interactive}]"),
                         True, "")
     assert not [s for s in samples(m, "tokenlane_lane_budget") if s.labels["lane"] == "batch"]
+
+
+def test_outcome_and_latency_series_exist_at_zero_for_every_lane_and_tenant():
+    """rate() needs a counter to exist before its first increment: every configured lane (also
+    one added by a hot reload) has its finished/rejected/timeout counters and its TTFT/TPOT
+    buckets at zero from the start, with a bounded label set."""
+    m = PrometheusMetrics("tiny")
+    m.set_config(CFG)
+    for lane in ("interactive", "batch"):
+        for tenant in ("default", "team-a"):
+            for outcome, reason in (("finished", "eos"), ("finished", "max_tokens"), ("finished", "stop_string"),
+                                    ("rejected", "queue_full"), ("timeout", "queue_timeout"), ("error", "other")):
+                assert value(m, "tokenlane_requests_total", lane=lane, tenant=tenant, outcome=outcome,
+                             reason=reason) == 0
+        assert value(m, "tokenlane_time_to_first_token_seconds_bucket", lane=lane, le="+Inf") == 0
+        assert value(m, "tokenlane_time_per_output_token_seconds_count", lane=lane) == 0
+    for name in ("tokenlane_preemptions_total", "tokenlane_scheduler_step_seconds_count"):
+        assert value(m, name, model="tiny") == 0
+    series = len(samples(m, "tokenlane_requests_total"))
+    m.on_request_finished(finished_request(RequestStatus.FINISHED_STOPPED, "eos"))
+    assert len(samples(m, "tokenlane_requests_total")) == series  # the pre-made series took it
+    m.set_config(loads_config("""
+model: {path: /models/tiny, servedName: tiny}
+lanes:
+  - {name: interactive, default: true}
+  - {name: batch, class: batch}
+  - {name: long, class: long-context}
+tenants: [{name: team-a}]
+"""))
+    assert value(m, "tokenlane_requests_total", lane="long", tenant="team-a", outcome="finished", reason="eos") == 0
+    assert value(m, "tokenlane_time_to_first_token_seconds_count", lane="long") == 0
+    assert len(samples(m, "tokenlane_requests_total")) == series * 3 // 2
