@@ -104,11 +104,11 @@ def _patched(config_data: dict, overrides: list[str]) -> dict:
 
 
 def _finish(out: Path, stem: str, results: list[report.RunResult], meta: dict, title: str,
-            include_records: bool = True, ratios: bool = True) -> None:
+            include_records: bool = True, ratios: bool = True, show_traffic: bool = True) -> None:
     text, json_path, png = report.write_all(out, stem, results, meta, title, include_records)
     if not ratios:  # the caller prints its own headline ratios
         text = report.format_table([report.summarize(r) for r in results])
-    if results and results[0].description:
+    if show_traffic and results and results[0].description:
         print(f"traffic: {results[0].description}")
     print(text)
     for r in results:
@@ -133,7 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = asyncio.run(run_load(target, traffic, args.name, slos=slos, max_requests=args.max_requests or 10_000,
                                   time_limit_s=args.time_limit, progress=not args.no_progress))
     _finish(Path(args.out), args.stem or "bench-run", [result], {"command": "run", "spec": spec.to_dict()},
-            f"tokenlane bench run against {args.url}")
+            f"tokenlane bench run against {args.url}", show_traffic=False)  # printed above
     return 0
 
 

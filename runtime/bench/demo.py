@@ -143,10 +143,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"  ready in {time.perf_counter() - t0:.1f} s: Llama {MODEL_SHAPE}", flush=True)
 
     traffic = demo_traffic(args.duration, args.seed, args.rate_scale)
-    print(f"traffic: {traffic.describe()}", flush=True)
+    print("comparing continuous batching with static batching on the same traffic:", flush=True)
+    print("traffic:\n  " + traffic.describe().replace(" | ", "\n  "), flush=True)
+    # Progress bars redraw with \r: only on a terminal, never into a log file.
+    progress = not args.no_progress and sys.stderr.isatty()
     results = []
     for name, continuous in (("continuous", True), ("static", False)):
-        result, _ = run_phase(name, demo_config(model_dir, continuous), traffic, out, not args.no_progress,
+        result, _ = run_phase(name, demo_config(model_dir, continuous), traffic, out, progress,
                               args.time_limit)
         results.append(result)
 
@@ -156,6 +159,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                             "tokenlane demo: tiny Llama on CPU, three lanes, continuous vs static")
     print()
     print(text)
+    print("columns: TTFT = time to first token, TPOT = time per output token, E2E = whole request,\n"
+          "  queue = arrival to first schedule; goodput = requests/s that met every SLO target of\n"
+          "  their lane (SLO met = their share); rejected = refused by admission (429/503) /\n"
+          "  cancelled = streams the client dropped on purpose (part of the traffic)")
     print(f"results: {json_path}\nchart:   {png}")
     print(f"demo finished in {time.perf_counter() - t_start:.0f} s")
     return 0
