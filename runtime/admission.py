@@ -2,7 +2,7 @@
 
 Checked when a request is submitted, before it enters a lane's queue:
 
-- 400 `invalid`    empty prompt, unknown lane
+- 400 `invalid`    empty prompt, a token id outside the vocabulary, unknown lane
 - 400 `too_long`   prompt + max_tokens over the model length, or more KV blocks than the pool has
 - 503 `draining`   the server is shutting down (raised by the async front)
 - 429 `queue_full` maxWaitingRequests reached, globally or in the request's lane
@@ -84,6 +84,7 @@ class AdmissionLimits:
     max_model_len: int
     kv_blocks_total: int
     block_size: int
+    vocab_size: Optional[int] = None  # prompt token ids must be below it (None: unchecked)
 
 
 def check_request_shape(request: Request, limits: AdmissionLimits) -> None:
@@ -91,6 +92,14 @@ def check_request_shape(request: Request, limits: AdmissionLimits) -> None:
     n_prompt = request.num_prompt_tokens
     if n_prompt == 0:
         raise AdmissionError(400, "invalid", "the prompt is empty")
+    if limits.vocab_size is not None:
+        ids = request.prompt_token_ids
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= limits.vocab_size:
+            raise AdmissionError(
+                400, "invalid",
+                f"token id {low if low < 0 else high} is outside the vocabulary [0, {limits.vocab_size})",
+            )
     max_tokens = request.sampling_params.max_tokens
     if n_prompt + max_tokens > limits.max_model_len:
         raise AdmissionError(

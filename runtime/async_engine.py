@@ -118,12 +118,16 @@ class AsyncEngine:
 
     def submit(self, request: Request) -> RequestStream:
         """Admit the request (raises AdmissionError at once) and return its output stream."""
+        refusal = None
         if self.draining or self._stopping:
-            raise AdmissionError(503, "draining", "the server is shutting down", retry_after_s=1.0)
-        if not self.healthy:
-            raise AdmissionError(503, "unavailable", f"the engine has stopped: {self.error}", 1.0)
-        if request.request_id in self._streams:
-            raise AdmissionError(400, "invalid", f"request id {request.request_id!r} is in use")
+            refusal = AdmissionError(503, "draining", "the server is shutting down", retry_after_s=1.0)
+        elif not self.healthy:
+            refusal = AdmissionError(503, "unavailable", f"the engine has stopped: {self.error}", 1.0)
+        elif request.request_id in self._streams:
+            refusal = AdmissionError(400, "invalid", f"request id {request.request_id!r} is in use")
+        if refusal is not None:
+            self.engine.record_rejection(request, refusal)  # counted like the engine's own
+            raise refusal
         stream = RequestStream(request, self)
         self.engine.add_request(request)  # raises AdmissionError
         self._streams[request.request_id] = stream

@@ -66,6 +66,11 @@ class _TextState:
 
         self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
         self.stop = [s for s in request.sampling_params.stop if s]
+        # Per stop string: its KMP failure table and how many of its leading characters
+        # the text ends with now, so the hold-back costs O(new characters), not
+        # O(len(stop string)**2) per token (long stop strings would stall the step loop).
+        self.fail = [_kmp_failure(s) for s in self.stop]
+        self.matched = [0] * len(self.stop)
         self.text = ""  # all decoded output text
         self.sent = 0  # characters of `text` already emitted
 
@@ -82,11 +87,19 @@ class _TextState:
             self.text = self.text[: found[0]]
             return self._emit(len(self.text)), True
         hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
+        matched = self.matched
+        for j, s in enumerate(self.stop):
+            q, fail = matched[j], self.fail[j]
+            for ch in delta:
+                while q and s[q] != ch:
+                    q = fail[q - 1]
+                if s[q] == ch:
+                    q += 1
+                    if q == len(s):  # not reached: find_stop_string saw no match
+                        q = fail[q - 1]
+            matched[j] = q
+            if q > hold:
+                hold = q
         return self._emit(len(self.text) - hold), False
 
     def finish(self) -> str:
@@ -100,6 +113,19 @@ class _TextState:
         out = self.text[self.sent : upto]
         self.sent = upto
         return out
+
+
+def _kmp_failure(s: str) -> list[int]:
+    """fail[i]: length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 class LLMEngine:
@@ -122,7 +148,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             clock=clock,
         )
-        self.limits = AdmissionLimits(self.max_model_len, executor.num_kv_blocks, executor.block_size)
+        self.limits = AdmissionLimits(self.max_model_len, executor.num_kv_blocks, executor.block_size,
+                                      getattr(executor, "vocab_size", None))
         self.estimator = StepTimeEstimator()
         self.observers: list[EngineObserver] = []
         self._lock = threading.Lock()  # guards the staged changes below
@@ -171,9 +198,14 @@ class LLMEngine:
         try:
             self._admit(request)
         except AdmissionError as exc:
-            request.finish(RequestStatus.FINISHED_REJECTED, exc.reason, now=self.clock())
-            self._notify_finished(request)
+            self.record_rejection(request, exc)
             raise
+
+    def record_rejection(self, request: Request, error: AdmissionError) -> None:
+        """Finish a refused request as rejected and tell the observers (metrics count every
+        rejection, also those the async front makes: draining, engine down)."""
+        request.finish(RequestStatus.FINISHED_REJECTED, error.reason, now=self.clock())
+        self._notify_finished(request)
 
     def _admit(self, request: Request) -> None:
         if request.eos_token_id is None:
@@ -222,11 +254,12 @@ class LLMEngine:
         if not isinstance(new, RuntimeConfig):
             raise ValueError(f"expected a RuntimeConfig, got {type(new).__name__}")
         if not self.config.reloadable_changes_only(new):
+            before, after = self.config.restart_fields(), new.restart_fields()
             changed = sorted(
                 k
                 for section in ("model", "engine")
-                for k in set(self.config.restart_fields()[section]) | set(new.restart_fields()[section])
-                if self.config.restart_fields()[section].get(k) != new.restart_fields()[section].get(k)
+                for k in set(before[section]) | set(after[section])
+                if before[section].get(k) != after[section].get(k)
             )
             message = f"model/engine fields changed ({', '.join(changed)}): a restart is needed"
             for observer in self.observers:
@@ -309,8 +342,8 @@ class LLMEngine:
         A step in which nothing succeeded counts toward MAX_CONSECUTIVE_STEP_FAILURES (any
         success resets the count); at that many in a row the executor is broken and the error
         propagates (the loop goes unhealthy). So a bad request never fails another request,
-        and while other requests run it never counts against the engine; only a request that
-        is alone in its steps, failing three times in a row, looks like a broken executor
+        and while other requests run it never counts against the engine. Only failing
+        requests that are each alone in three consecutive steps look like a broken executor
         (inputs are validated so that none can make the executor raise)."""
         output = ExecutorOutput()
         failed_alone: dict[str, str] = {}
@@ -360,10 +393,19 @@ class LLMEngine:
         for request in got_token:
             new_text = ""
             if tokenizer is not None:
-                state = self._text.get(request.request_id)
-                if state is None:
-                    state = self._text[request.request_id] = _TextState(tokenizer, request)
-                new_text, stopped = state.add(request.output_token_ids[-1:])
+                try:
+                    state = self._text.get(request.request_id)
+                    if state is None:
+                        state = self._text[request.request_id] = _TextState(tokenizer, request)
+                    new_text, stopped = state.add(request.output_token_ids[-1:])
+                except Exception as exc:  # this request's text only: it fails, the step goes on
+                    log.exception("detokenizing %s failed", request.request_id)
+                    self._text.pop(request.request_id, None)
+                    if not request.is_finished:
+                        scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, f"detokenizer error: {exc}")
+                    else:
+                        request.finish(RequestStatus.FINISHED_ERROR, f"detokenizer error: {exc}", now=request.finish_time)
+                    new_text, stopped = "", False
                 if stopped:
                     if request.is_finished:  # finished by length in the same token
                         request.finish(RequestStatus.FINISHED_STOPPED, "stop_string", now=request.finish_time)
@@ -392,7 +434,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id,
             lane=request.lane,
-            new_token_ids=list(new_ids),
+            new_token_ids=new_ids,  # a fresh list from the caller
             new_text=new_text,
             finished=False,
             finish_reason=None,

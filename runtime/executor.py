@@ -169,6 +169,13 @@ class ModelExecutor:
                 f"context of {end} tokens exceeds the model's maximum length {self.max_model_len}"
             )
             return False
+        assert len(request.block_ids) * self.block_size >= end, (
+            f"request {request.request_id}: {len(request.block_ids)} blocks cannot hold {end} tokens"
+        )
+        if chunk.start >= request.num_prompt_tokens:
+            return True  # generated tokens: the sampler's own, in the vocabulary
+        # Prompt tokens (the engine's admission checks them too; an id outside the table
+        # would be a device-side assert on CUDA, fatal to every request).
         ids = self._chunk_token_ids(chunk)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -176,9 +183,6 @@ class ModelExecutor:
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
             return False
-        assert len(request.block_ids) * self.block_size >= end, (
-            f"request {request.request_id}: {len(request.block_ids)} blocks cannot hold {end} tokens"
-        )
         return True
 
     @staticmethod

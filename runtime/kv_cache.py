@@ -193,13 +193,6 @@ class KVCacheManager:
                     self._free.move_to_end(block_id, last=False)
         table.clear()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (e.g. after weights change)."""
-        for block in self.blocks:
-            block.block_hash = None
-        self._cached.clear()
-        self._registered.clear()
-
     # ------------------------------------------------------------------ internals
 
     def _take_free_block(self) -> int:

@@ -82,6 +82,10 @@ EXPECTED_OUTCOMES = (
     ("error", "other"),
 )
 
+# The lane/tenant label of a request whose lane or tenant is not configured (e.g. one
+# rejected for naming an unknown lane): never the caller's own string.
+UNKNOWN_LABEL = "unknown"
+
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 
@@ -188,6 +192,7 @@ class PrometheusMetrics:
         for metric in (self.step_time, self.batch_tokens, self.preemptions, self.prefix_queries, self.prefix_hits):
             metric.labels(model)
         self._lanes: set[str] = set()
+        self._tenants: set[str] = set()
         self._restart_hash: Optional[str] = None
 
     # ---- config
@@ -226,6 +231,7 @@ class PrometheusMetrics:
                 for outcome, reason in EXPECTED_OUTCOMES:
                     self.requests.labels(m, name, tenant, outcome, reason)
         self._lanes = lanes
+        self._tenants = set(tenants)
         self.kv_watermark.labels(m, "high").set(config.scheduler.kv_cache_high_watermark)
         self.kv_watermark.labels(m, "reject").set(config.scheduler.kv_cache_reject_watermark)
         self.continuous_batching.labels(m).set(1 if config.engine.continuous_batching else 0)
@@ -262,13 +268,18 @@ class PrometheusMetrics:
             self.kv_total.labels(m).set(stats.kv_blocks_total)
             self.kv_free.labels(m).set(stats.kv_blocks_free)
             self.kv_usage.labels(m).set(stats.kv_usage)
-        for name in self._lanes | set(stats.lanes):
+        # Configured lanes only: a step that ran before a reload took effect must not bring
+        # back the series of a lane the reload removed (they would stay, stale, for good).
+        for name in self._lanes:
             lane = stats.lanes.get(name)
             self.running.labels(m, name).set(lane.running if lane else 0)
             self.waiting.labels(m, name).set(lane.waiting if lane else 0)
 
     def on_request_finished(self, request: Request) -> None:
         m, lane, tenant = self.model, request.lane, request.tenant
+        if self._lanes:  # label values stay bounded whatever a direct engine caller passed
+            lane = lane if lane in self._lanes else UNKNOWN_LABEL
+            tenant = tenant if tenant in self._tenants else UNKNOWN_LABEL
         reason = request.finish_reason or FinishReason.ERROR
         outcome = OUTCOME_OF_FINISH[reason]
         self.requests.labels(m, lane, tenant, outcome, reason_label(request)).inc()

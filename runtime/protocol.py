@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 INT32_MAX = 2**31 - 1
+# Stop strings are matched on every token's text (cost grows with their length).
+MAX_STOP_STRING_CHARS = 1024
 
 
 class APIError(Exception):
@@ -99,6 +101,8 @@ class _SamplingFields(BaseModel):
                 raise ValueError("at most 16 stop strings")
             if any(s == "" for s in value):
                 raise ValueError("stop strings must not be empty")
+            if any(len(s) > MAX_STOP_STRING_CHARS for s in value):
+                raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         return value
 
     @model_validator(mode="after")

@@ -40,6 +40,11 @@ def apply_top_k_top_p(
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
 
+# Below this a temperature is greedy: dividing logits by it overflows float32 to inf, and the
+# softmax of inf is NaN (vLLM treats temperatures under 1e-5 the same way).
+MIN_TEMPERATURE = 1e-5
+
+
 class Sampler:
     """Samples one token per row of a [N, V] logits batch."""
 
@@ -56,7 +61,7 @@ class Sampler:
         generators: Sequence[Optional[torch.Generator]],
     ) -> list[int]:
         assert logits.shape[0] == len(params) == len(generators)
-        greedy = [p.greedy for p in params]
+        greedy = [p.greedy or p.temperature < MIN_TEMPERATURE for p in params]
         tokens = logits.argmax(dim=-1)
         if all(greedy):
             return tokens.tolist()

@@ -161,7 +161,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.lanes[request.lane].push(request)
         if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, next(self._rank_seq), request))
+            deadlines = self._deadlines
+            heapq.heappush(deadlines, (request.deadline, next(self._rank_seq), request))
+            if len(deadlines) > 2 * len(self.requests) + 64:
+                # Entries of finished requests would stay until their deadline passes (up to
+                # a day), holding the requests' memory: drop them (amortized O(1)).
+                self._deadlines = [e for e in deadlines if not e[2].is_finished]
+                heapq.heapify(self._deadlines)
 
     def finish_request(self, request: Request, status: RequestStatus, detail: str = "") -> None:
         """End a request in any state (cancel, timeout, error, stop): its blocks are freed now."""

@@ -230,8 +230,10 @@ def _error_of_final(output: Any) -> Optional[APIError]:
     if reason in (FinishReason.STOP, FinishReason.LENGTH, None):
         return None
     if reason == FinishReason.TIMEOUT:
-        return APIError(504, f"request timed out in the lane queue ({detail or 'queue_timeout'})",
-                        type="timeout_error", code=detail or "queue_timeout")
+        message = ("the request's deadline (X-Request-Deadline-Ms) passed before it finished"
+                   if detail == "deadline" else
+                   f"request timed out in the lane queue ({detail or 'queue_timeout'})")
+        return APIError(504, message, type="timeout_error", code=detail or "queue_timeout")
     if reason == FinishReason.REJECTED:
         status = 503 if detail in ("kv_watermark", "draining") else 400 if detail in ("too_long", "invalid") else 429
         return APIError(status, f"request rejected: {detail}", type=ERROR_TYPES[status], code=detail or "rejected",
@@ -429,7 +431,9 @@ def create_app(
             log.debug("snapshot for /metrics failed", exc_info=True)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    # ---- the OpenAI API (the key is checked before the body, so a bad key is a 401 first)
+    # ---- the OpenAI API. The key is checked before the body's fields are validated, so a bad
+    # key with bad parameters is a 401; only a body that is not JSON at all is a 400 first
+    # (FastAPI decodes JSON before it runs dependencies). Neither reveals anything.
 
     def caller(request: HTTPRequest) -> Caller:
         return authenticate(state.config, request.headers)
@@ -721,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tokenlane serve",
         description="Serve a model over the OpenAI API with per-lane continuous batching.",
     )
-    p.add_argument("--config", help="runtime.yaml (DESIGN.md §3.3); watched for hot reloads")
+    p.add_argument("--config", help="runtime.yaml (see docs/configuration.md); watched for hot reloads")
     p.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     g = p.add_argument_group("config overrides (take precedence over the file)")

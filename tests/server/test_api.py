@@ -162,6 +162,7 @@ def test_seeded_sampling_and_stop_strings(shared_server, reference):
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": "x", "max_tokens": 600}, "max_tokens"),  # prompt + max_tokens > maxModelLen 512
         ({"prompt": "x", "stop": ["a"] * 20}, "stop"),
+        ({"prompt": "x", "stop": "a" * 5000}, "stop"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, None),
         ({"prompt": {"nested": "object"}}, "prompt"),
     ],

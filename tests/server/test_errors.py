@@ -148,7 +148,16 @@ def test_429_deadline_cannot_be_met(tight):
 
 def test_503_at_the_kv_reject_watermark(tight):
     wait_idle(tight)
-    # 300 prompt + 200 output tokens: past 40% of the 64 blocks after ~110 tokens.
+    # 300 prompt + 200 output tokens: past 40% of the 64 blocks after ~110 tokens, leaving a
+    # window of ~90 decode steps; slow each step down so a loaded machine cannot miss it.
+    executor = tight.engine.executor
+    fast_execute = executor.execute
+
+    def slow_execute(plan):
+        time.sleep(0.02)
+        return fast_execute(plan)
+
+    executor.execute = slow_execute
     hog = Hog(tight, prompt_tokens=300, max_tokens=200, headers={**BETA, "X-Lane": "batch"})
     try:
         tight.wait_metric("tokenlane_kv_cache_usage_ratio", lambda v: v >= 0.4)
@@ -158,6 +167,7 @@ def test_503_at_the_kv_reject_watermark(tight):
         assert httpx.get(tight.url + "/health").status_code == 200
     finally:
         hog.close()
+        executor.execute = fast_execute
     tight.wait_metric("tokenlane_kv_cache_usage_ratio", lambda v: v == 0)
 
 

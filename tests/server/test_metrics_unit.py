@@ -91,6 +91,14 @@ def test_request_outcomes_and_latencies():
     assert value(m, "tokenlane_e2e_request_latency_seconds_count") == 1
     assert abs(value(m, "tokenlane_time_per_output_token_seconds_sum") - 0.1) < 1e-9
     assert value(m, "tokenlane_queue_delay_seconds_sum") == 1.5
+    # A rejected request naming a lane/tenant that is not configured gets no series of its own.
+    for i in range(3):
+        r = Request(f"x{i}", [1], SamplingParams(), lane=f"no-such-lane-{i}", tenant=f"who-{i}")
+        r.finish(RequestStatus.FINISHED_REJECTED, "invalid", now=1.0)
+        m.on_request_finished(r)
+    lanes = {s.labels["lane"] for s in samples(m, "tokenlane_requests_total")}
+    assert lanes == {"interactive", "batch", "unknown"}
+    assert value(m, "tokenlane_requests_total", lane="unknown", tenant="unknown", reason="invalid") == 3
 
 
 def test_step_stats_and_lane_removal():
@@ -110,6 +118,13 @@ def test_step_stats_and_lane_removal():
     m.on_config_applied(loads_config("model: {path: /models/tiny, servedName: tiny}\nlanes: [{name: interactive}]"),
                         True, "")
     assert not [s for s in samples(m, "tokenlane_lane_budget") if s.labels["lane"] == "batch"]
+    # The config watcher exports a new config before the engine's step boundary applies it: a
+    # step of the old config in between must not revive the removed lane's gauges.
+    m.set_occupancy(StepStats(lanes={"interactive": LaneStepStats(running=1), "batch": LaneStepStats(running=2)}))
+    m.on_config_applied(loads_config("model: {path: /models/tiny, servedName: tiny}\nlanes: [{name: interactive}]"),
+                        True, "")
+    assert not [s for s in samples(m, "tokenlane_requests_running") if s.labels["lane"] == "batch"]
+    assert value(m, "tokenlane_requests_running", lane="interactive") == 1
 
 
 def test_outcome_and_latency_series_exist_at_zero_for_every_lane_and_tenant():
