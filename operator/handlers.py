@@ -83,10 +83,7 @@ class Operator:
 async def _event(op: Operator, body: dict, type_: str, reason: str, message: str) -> None:
     """One Event helper for handlers and the tuner (k8s.post_event): uniquely named Events work
     outside kopf's handler context too (timers, the tuner, direct calls)."""
-    try:
-        kopf.event(body, type=type_, reason=reason, message=message[:1000])
-    except Exception:
-        pass
+    await k8s.post_event(op.client, body, type_, reason, message)
 
 
 async def _write_status(op: Operator, res: k8s.Resource, body: dict, wanted: dict, clear: tuple = ()) -> bool:

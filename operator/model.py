@@ -160,13 +160,20 @@ def _ref(body: Mapping[str, Any], kind: str) -> ObjectRef:
                      generation=int(meta.get("generation") or 0))
 
 
+def _defaulted_spec(kind: str, body: Mapping[str, Any]) -> dict:
+    """The spec validated against the CRD schema, with its defaults applied (as stored by the
+    API server), validated again (defaults must satisfy the schema too)."""
+    spec = body.get("spec")
+    _validate(kind, spec)
+    spec = crd_schema.apply_defaults(crd_schema.crd_schema(kind)["properties"]["spec"], spec)
+    _validate(kind, spec)
+    return spec
+
+
 def parse_model_service(body: Mapping[str, Any]) -> ModelService:
     """A validated ModelService from an object (as stored by the API server or read from a file)."""
     ref = _ref(body, MODEL_SERVICE)
-    spec = body.get("spec")
-    _validate(MODEL_SERVICE, spec)
-    spec = crd_schema.apply_defaults(crd_schema.crd_schema(MODEL_SERVICE)["properties"]["spec"], spec)
-    _validate(MODEL_SERVICE, spec)
+    spec = _defaulted_spec(MODEL_SERVICE, body)
     _check_model_service_rules(spec)
     # Object names prefix owned objects; a Service name is a DNS-1035 label (<= 63 chars).
     _check(len(ref.name) <= 50, f"metadata.name: {ref.name!r} is longer than 50 characters "
@@ -178,10 +185,7 @@ def parse_model_service(body: Mapping[str, Any]) -> ModelService:
 
 def parse_serving_lane(body: Mapping[str, Any]) -> ServingLane:
     ref = _ref(body, SERVING_LANE)
-    spec = body.get("spec")
-    _validate(SERVING_LANE, spec)
-    spec = crd_schema.apply_defaults(crd_schema.crd_schema(SERVING_LANE)["properties"]["spec"], spec)
-    _validate(SERVING_LANE, spec)
+    spec = _defaulted_spec(SERVING_LANE, body)
     _check_lane_rules(spec)
     meta = body.get("metadata") or {}
     lane = ServingLane(ref=ref, spec=spec, created=str(meta.get("creationTimestamp") or ""),

@@ -497,12 +497,11 @@ class _Planner:
         """Move one knob one step (AIMD) inside its bounds; False if it cannot move."""
         if any(c.scope == scope and c.knob == knob for c in self.changes):
             return False
+        if not self.can_step(scope, knob, direction):
+            return False
         bounds = self.bounds(scope, knob)
         current = self.budgets.get(scope, knob)
-        if bounds is None or current is None:
-            return False
-        if _blocked(self.history, scope, knob, direction, self.now, self.settings):
-            return False
+        assert bounds is not None and current is not None  # can_step checked both
         if knob == "kvCacheHighWatermark":
             target = current + direction * self.settings.watermark_step
         elif direction > 0:

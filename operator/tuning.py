@@ -47,11 +47,17 @@ COMPONENT_ROLLOUT = "rollout-guard"
 # Lane budget knobs whose bounds must not exceed the global budget (a lane cap above it has no effect).
 _GLOBAL_CAPPED = ("maxActiveSequences", "maxBatchedTokens", "prefillChunkSize")
 
-SampleReader = Callable[[str, str, float, list[str]], Awaitable[tuner.MetricSample]]
+# (prometheusUrl, served model name, window seconds, lane names, namespace=...) -> one sample
+SampleReader = Callable[..., Awaitable[tuner.MetricSample]]
 
 
-async def read_prometheus(url: str, model: str, window_s: float, lanes: list[str]) -> tuner.MetricSample:
-    return await PrometheusClient(url).read_sample(model, window_s, lanes=lanes)
+async def read_prometheus(url: str, model: str, window_s: float, lanes: list[str], *,
+                          namespace: Optional[str] = None) -> tuner.MetricSample:
+    """Series of `model` in the ModelService's namespace only: two ModelServices serving the
+    same model name in different namespaces must not mix. The `namespace` target label is set
+    by the Prometheus Operator (ServiceMonitor) and by manifests/monitoring/prometheus/prometheus.yml."""
+    return await PrometheusClient(url).read_sample(model, window_s, lanes=lanes,
+                                                   extra_matchers={"namespace": namespace} if namespace else None)
 
 
 @dataclass
@@ -312,7 +318,7 @@ async def tick(t: Tuning, namespace: str, name: str) -> Optional[dict]:
     policy = rollout.RolloutPolicy.from_spec(msvc.spec.get("rollout"), metrics=bool(url))
     if url:
         window = min(settings.window_s, policy.verification_window_s)
-        sample = await t.read_sample(url, model, window, lane_names)
+        sample = await t.read_sample(url, model, window, lane_names, namespace=namespace)
     else:
         sample = tuner.MetricSample.unavailable("spec.tuning.prometheusUrl is not set", settings.window_s)
 

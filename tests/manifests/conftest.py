@@ -4,10 +4,8 @@ plain helpers they share."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,23 +15,24 @@ import yaml
 # unique names so they cannot shadow anything else.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from manifests_helpers import ROOT, SAMPLE, load_yaml_docs, operator_render  # noqa: E402
+from manifests_helpers import (  # noqa: E402
+    ROOT,
+    SAMPLE,
+    free_port,
+    load_yaml_docs,
+    operator_render,
+    stop_process,
+    wait_http_ready,
+)
 
 
 # ---- a real runtime serving the CPU sample, as the quickstart does (docs and monitoring tests)
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="session")
 def quickstart_server(tiny_model_dir, tmp_path_factory):
     """`tokenlane serve` with the runtime.yaml the operator renders for the CPU sample."""
     if not (ROOT / "runtime" / "server.py").exists():
         pytest.skip("runtime/server.py not written yet")
-    import httpx
 
     tmp = tmp_path_factory.mktemp("quickstart")
     (configmap,) = [o for o in operator_render(load_yaml_docs(SAMPLE), tmp) if o["kind"] == "ConfigMap"]
@@ -41,7 +40,7 @@ def quickstart_server(tiny_model_dir, tmp_path_factory):
     config["model"]["path"] = str(tiny_model_dir)  # the pod's init container makes it at /models
     config_path = tmp / "runtime.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENLANE_LOG_LEVEL": "warning"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
@@ -49,23 +48,9 @@ def quickstart_server(tiny_model_dir, tmp_path_factory):
         cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"tokenlane serve exited:\n{proc.stdout.read()}"
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "tokenlane serve not ready after 120s"
-            time.sleep(0.3)
+        wait_http_ready(f"{base}/ready", proc, 120, "tokenlane serve")
         yield base, config_path, tmp
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,38 @@ def operator_render(docs: list[dict], tmp_path: Path) -> list[dict]:
                             capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 0, result.stderr
     return [o for o in yaml.safe_load_all(result.stdout) if o]
+
+
+# ---- local processes the tests start (tokenlane serve, prometheus): loopback only
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
+    """Poll `url` until it answers 200; fail with the process' output if it exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            out = proc.stdout or proc.stderr
+            raise AssertionError(f"{what} exited:\n{out.read() if out else ''}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} not ready after {timeout_s:.0f}s"
+        time.sleep(0.3)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

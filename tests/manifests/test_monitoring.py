@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from manifests_helpers import MANIFESTS, render
+from manifests_helpers import MANIFESTS, free_port, render, stop_process, wait_http_ready
 
 MONITORING = MANIFESTS / "monitoring"
 RULES = MONITORING / "prometheus" / "tokenlane-rules.yaml"
@@ -289,10 +289,6 @@ def prometheus(quickstart_server, tmp_path_factory):
     """Debian's prometheus scraping the quickstart's runtime every second, with our rules
     (every group evaluated every second) and the labels Kubernetes discovery would add."""
     import os
-    import socket
-    import time
-
-    import httpx
 
     binary = shutil.which("prometheus")
     if binary is None:
@@ -311,33 +307,17 @@ def prometheus(quickstart_server, tmp_path_factory):
             "labels": {"namespace": "tokenlane-demo", "pod": "tiny-0"}}]}],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"prometheus exited: {proc.stderr.read()}"
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "prometheus not ready after 60s"
-            time.sleep(0.3)
+        wait_http_ready(f"{url}/-/ready", proc, 60, "prometheus")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=20)
 
 
 def _query_until(url: str, promql: str, timeout_s: float = 30.0) -> list[dict]:

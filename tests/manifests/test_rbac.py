@@ -56,7 +56,7 @@ def _operator_calls(ns: str) -> set[Call]:
     for group, resource in [("apps", "deployments"), ("", "services"), ("", "configmaps"),
                             ("policy", "poddisruptionbudgets"), ("monitoring.coreos.com", "servicemonitors")]:
         add(group, resource, "list", "create", "patch", "delete")
-    # kopf.event(): Events explaining reconciles, decisions and rollbacks.
+    # k8s.post_event() (handlers and tuner) and kopf itself: Events explaining reconciles, decisions, rollbacks.
     add("", "events", "create")
     # ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement).
     add("tokenlane.dev", "modelservices/finalizers", "update")

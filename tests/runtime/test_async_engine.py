@@ -117,6 +117,25 @@ async def test_shutdown_drains_then_aborts():
     assert engine.engine.scheduler.kv.num_free_blocks == 256
 
 
+async def test_refusals_of_the_async_front_reach_the_observers():
+    """A 503 while draining is a rejection like any other: metrics must count it."""
+    engine, ex = make()
+    finished = []
+
+    class Observer:
+        def on_step(self, stats): pass
+        def on_config_applied(self, config, ok, message): pass
+        def on_request_finished(self, request): finished.append((request.request_id, request.finish_detail))
+
+    engine.engine.add_observer(Observer())
+    await engine.start()
+    await engine.shutdown(0.1)
+    late = req("late")
+    with pytest.raises(AdmissionError):
+        engine.submit(late)
+    assert finished == [("late", "draining")] and late.finish_reason is FinishReason.REJECTED
+
+
 async def test_reload_through_async_front():
     engine, ex = make(max_active_sequences=1)
     await engine.start()

@@ -228,6 +228,27 @@ def test_held_back_text_is_released_when_not_a_stop():
     assert outs[-1].finish_reason is FinishReason.LENGTH
 
 
+@pytest.mark.parametrize("text,stop", [
+    ("abababcx", ["ababc"]),          # self-overlapping: "abab" held, then "ab" released
+    ("aaaaaaaaab", ["aaab", "zz"]),
+    ("xyxyxyxyq", ["xyxyz", "yxq"]),
+    ("mississippi", ["issip", "ssi"]),
+    ("a" * 60 + "b", ["a" * 40 + "c"]),  # a long stop string is as cheap per token as a short one
+])
+def test_hold_back_is_exactly_the_longest_partial_stop_string(text, stop):
+    engine, ex, clock, rec = make_engine(tokenizer=CharTokenizer(), token_fn=text_tokens(text))
+    engine.add_request(req("a", max_tokens=len(text), stop=stop))
+    outs = drain(engine, clock)
+    cut = min((text.find(s) for s in stop if s in text), default=len(text))
+    assert "".join(o.new_text for o in outs) == text[:cut]
+    sent = ""
+    for i, o in enumerate(outs[:-1]):
+        sent += o.new_text
+        seen = text[: i + 1]
+        hold = max((k for s in stop for k in range(len(s)) if seen.endswith(s[:k])), default=0)
+        assert sent == seen[: len(seen) - hold], (i, sent)
+
+
 def test_eos_stop_tokens_and_ignore_eos():
     engine, ex, clock, rec = make_engine(token_fn=lambda rid, pos: 2 if pos == 8 else 5, eos=2)
     engine.add_request(req("eos", max_tokens=10))
@@ -300,6 +321,75 @@ def test_executor_failure_errors_the_step_not_the_engine():
             engine.step()
     with pytest.raises(RuntimeError):
         engine.step()
+
+
+def test_a_request_that_breaks_the_executor_fails_alone_and_never_stops_the_engine():
+    """The step is re-run in halves until the poisoned chunk stands alone: it ends as an
+    error, the other requests of the same steps get exactly their usual tokens, and a
+    stream of such requests (one new every step) never trips the broken-executor limit."""
+    engine, ex, clock, rec = make_engine()
+    execute = ex.execute
+
+    def poisoned(plan):
+        if any(c.request.request_id.startswith("bad") for c in plan.chunks):
+            raise ValueError("poisoned input")
+        return execute(plan)
+
+    ex.execute = poisoned
+    for i in range(4):
+        engine.add_request(req(f"good{i}", n=5 + i, max_tokens=12))
+    outs = []
+    for step in range(8):
+        engine.add_request(req(f"bad{step}", n=3))
+        outs += engine.step()
+        engine.scheduler.check_invariants()
+        clock.now += 0.01
+    outs += drain(engine, clock)
+    final = {o.request_id: o for o in outs if o.finished}
+    for i in range(4):
+        o = final[f"good{i}"]
+        assert o.finish_reason is FinishReason.LENGTH and o.num_output_tokens == 12
+        tokens = [t for x in outs if x.request_id == f"good{i}" for t in x.new_token_ids]
+        assert tokens == [ex.token_fn(f"good{i}", 5 + i + k) for k in range(12)]
+    for step in range(8):
+        o = final[f"bad{step}"]
+        assert o.finish_reason is FinishReason.ERROR and "poisoned input" in o.finish_detail
+    assert engine.scheduler.kv.num_free_blocks == 64
+    # A transient failure of a whole batch is retried in halves: nobody fails.
+    engine.add_request(req("c1"))
+    engine.add_request(req("c2"))
+    ex.fail_next = RuntimeError("transient")
+    outs = drain(engine, clock)
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outs if o.finished)
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused_at_admission():
+    engine, ex, clock, rec = make_engine()  # FakeExecutor vocabulary: [0, 1000)
+    for prompt in ([5, 1000], [-1, 5]):
+        with pytest.raises(AdmissionError) as e:
+            engine.add_request(Request(f"bad{prompt[0]}", prompt, SamplingParams()))
+        assert e.value.status == 400 and e.value.reason == "invalid" and "vocabulary" in e.value.message
+    assert [f[1] for f in rec.finished] == [RequestStatus.FINISHED_REJECTED] * 2
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_detokenizer_failure_ends_only_that_request():
+    class Fragile(CharTokenizer):
+        def decode(self, ids, **kw):
+            if 126 in ids:  # "~": a token this tokenizer cannot decode
+                raise ValueError("undecodable")
+            return super().decode(ids, **kw)
+
+    engine, ex, clock, rec = make_engine(tokenizer=Fragile(),
+                                         token_fn=lambda rid, pos: 126 if rid == "bad" else 97)
+    engine.add_request(req("bad", max_tokens=5))
+    engine.add_request(req("good", max_tokens=5))
+    outs = drain(engine, clock)
+    final = {o.request_id: o for o in outs if o.finished}
+    assert final["bad"].finish_reason is FinishReason.ERROR and "undecodable" in final["bad"].finish_detail
+    assert final["good"].finish_reason is FinishReason.LENGTH
+    assert "".join(o.new_text for o in outs if o.request_id == "good") == "aaaaa"
+    assert engine.scheduler.kv.num_free_blocks == 64
 
 
 def test_snapshot_and_step_stats():

@@ -92,3 +92,13 @@ def test_mixed_batch_greedy_rows_stay_greedy():
 def test_invalid_params_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-6])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
+    """logits / 1e-40 overflows to inf and softmax(inf) is NaN, whose argmax is token 0."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=temperature)] * 2 + [SamplingParams(temperature=1.0, seed=1)]
+    tokens = Sampler()(logits, params, [None, None, make_generator(1)])
+    assert tokens[:2] == logits.argmax(dim=-1).tolist()[:2]

@@ -221,6 +221,17 @@ def test_deadline_expiry_finishes_waiting_and_running():
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
+def test_finished_requests_do_not_linger_in_the_deadline_heap():
+    """A request with a far deadline (the API allows a day) that finishes early must not stay
+    referenced until the deadline passes."""
+    sched, ex, clock = make(max_batched_tokens=64, prefill_chunk_size=64)
+    for i in range(500):
+        sched.add_request(req(f"r{i}", n_prompt=2, max_tokens=1, first=i, deadline=86400.0))
+        step(sched, ex, clock)
+    assert not sched.has_unfinished_requests()
+    assert len(sched._deadlines) <= 64 + 2
+
+
 @pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding", "preempted"])
 def test_cancel_in_any_state_frees_blocks_at_once(when):
     sched, ex, _ = make(max_batched_tokens=8, prefill_chunk_size=4)

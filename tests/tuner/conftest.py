@@ -9,21 +9,10 @@ from pathlib import Path
 # unique name so it cannot clash with another area's.
 sys.path.insert(0, str(Path(__file__).parent))
 
-import asyncio  # noqa: E402
-import importlib.util  # noqa: E402
-from typing import Any  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))  # the shared kmock harness
 
+import operator_harness  # noqa: E402
 import pytest  # noqa: E402
-
-_OPERATOR_CONFTEST = Path(__file__).parents[1] / "operator" / "conftest.py"
-
-
-def _operator_fixtures():
-    """The operator helper's kmock harness (Cluster, resources), loaded by path."""
-    spec = importlib.util.spec_from_file_location("tokenlane_operator_test_harness", _OPERATOR_CONFTEST)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class FakeClock:
@@ -41,10 +30,10 @@ class FakeMetrics:
         self.sample = None
         self.calls: list[tuple] = []
 
-    async def __call__(self, url, model, window_s, lanes):
+    async def __call__(self, url, model, window_s, lanes, *, namespace=None):
         from tokenlane.operator.tuner import MetricSample
 
-        self.calls.append((url, model, window_s, tuple(lanes)))
+        self.calls.append((url, model, window_s, tuple(lanes), namespace))
         if self.sample is None:
             return MetricSample.unavailable(f"cannot reach {url}: ConnectError", window_s)
         return self.sample
@@ -53,46 +42,19 @@ class FakeMetrics:
 @pytest.fixture
 async def guarded_cluster(kmock):
     """kopf (operator handlers + the tuning timer) against kmock, with a fake clock and metrics."""
-    if not _OPERATOR_CONFTEST.exists():
-        pytest.skip("the operator's kmock harness (tests/operator/conftest.py) is missing")
-    import kopf
-
     from tokenlane.operator import tuning
-    from tokenlane.operator.handlers import Operator, register
 
-    harness = _operator_fixtures()
-    for key, (kind, namespaced, subresources) in harness.RESOURCES.items():
-        kmock.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=harness.VERBS,
-                                                  subresources=set(subresources))
-    from tokenlane.operator import schema
-
-    for make in (schema.model_service_crd, schema.serving_lane_crd):
-        crd = make()
-        kmock.objects["apiextensions.k8s.io/v1/customresourcedefinitions", None, crd["metadata"]["name"]] = crd
-    kmock.objects["v1/namespaces", None, harness.NS] = {"metadata": {"name": harness.NS}}
-
-    op = Operator(timer_interval_s=3600)
-    registry = register(kopf.OperatorRegistry(), op,
-                        login=lambda **_: kopf.ConnectionInfo(server=str(kmock.url), insecure=True))
     clock, metrics = FakeClock(), FakeMetrics()
-    t = tuning.register(registry, op, tuning=tuning.Tuning(op, clock=clock, read_sample=metrics, tick_s=0.2))
 
-    @kopf.on.startup(registry=registry)
-    def fast(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.watching.reconnect_backoff = 0.1
-        settings.posting.enabled = True
-        settings.persistence.consistency_timeout = 0.5
+    def add_tuning(registry, op):
+        return tuning.register(registry, op, tuning=tuning.Tuning(op, clock=clock, read_sample=metrics, tick_s=0.2))
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop))
-    cluster = harness.Cluster(kmock, op)
-    cluster.clock, cluster.metrics, cluster.tuning, cluster.harness = clock, metrics, t, harness
-    try:
+    async with operator_harness.running_cluster(kmock, setup=add_tuning) as cluster:
+        cluster.clock, cluster.metrics, cluster.tuning, cluster.harness = clock, metrics, cluster.extra, operator_harness
         yield cluster
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, timeout=10)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            task.cancel()
-        await cluster.client.close()
+        # The tuner and the rollout guard decide in status and owned objects, never in spec.
+        assert operator_harness.spec_writes(kmock) == []
+    # The tuner's calls (rollout ConfigMap, lane status, Events) need RBAC too: api_calls.json lists them.
+    missing = operator_harness.unlisted_calls()
+    assert not missing, (f"the tuner made calls missing from {operator_harness.API_CALLS_FILE.name}; regenerate with "
+                         f"TOKENLANE_REGEN_API_CALLS=1 python -m pytest tests/operator tests/tuner -k kmock: {missing}")

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.operator.prometheus import PrometheusClient, queries
+from tokenlane.operator.tuning import read_prometheus
 from tokenlane.operator.tuner import (
     ADJUST,
     Bounds,
@@ -116,7 +117,8 @@ def stack(tmp_path_factory, tiny_model_dir):
     (tmp / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
-        f"  - job_name: tokenlane\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+        # The target label Kubernetes discovery / a ServiceMonitor adds; the tuner selects by it.
+        f"  - job_name: tokenlane\n    static_configs: [{{targets: ['127.0.0.1:{port}'], labels: {{namespace: ml}}}}]\n"
     )
     prom_log = open(tmp / "prometheus.log", "w")
     prom = subprocess.Popen(
@@ -157,7 +159,6 @@ def test_tuner_reads_prometheus_changes_a_budget_and_the_runtime_reloads_it(stac
     statuses += _traffic(url, 6, "batch", "summarise this document " * 8, 8)
     assert statuses.count(200) == len(statuses), statuses
 
-    client = PrometheusClient(prom_url, timeout_s=5)
     config = load_config(config_path)
     lanes = lane_targets(config, BOUNDS)
     settings = TunerSettings(cooldown_s=WINDOW_S, window_s=WINDOW_S, min_requests=5)
@@ -165,7 +166,8 @@ def test_tuner_reads_prometheus_changes_a_budget_and_the_runtime_reloads_it(stac
     # Wait until Prometheus has scraped the traffic (rate() needs two samples in the window).
     deadline = time.monotonic() + 60
     while True:
-        sample = asyncio.run(client.read_sample("tiny", WINDOW_S, lanes=["interactive", "batch"]))
+        # What the operator's timer calls (operator/tuning.py): model and namespace select the series.
+        sample = asyncio.run(read_prometheus(prom_url, "tiny", WINDOW_S, ["interactive", "batch"], namespace="ml"))
         assert sample.available, sample.error
         inter = sample.lanes["interactive"]
         batch = sample.lanes["batch"]

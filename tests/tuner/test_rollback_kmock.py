@@ -110,6 +110,8 @@ async def test_good_revision_becomes_last_known_good(guarded_cluster):
     assert any(o["kind"] == "Deployment" for o in yaml.safe_load_all(cm["data"]["objects.yaml"]))
     assert cluster.condition("modelservices", "tiny", "RolledBack")["status"] == "False"
     await wait(cluster, lambda: events(cluster, "LastKnownGood"), what="LastKnownGood Event")
+    # Prometheus is asked about this namespace's series only (same model name elsewhere must not mix).
+    assert cluster.metrics.calls and {call[4] for call in cluster.metrics.calls} == {NS}
 
     # Not due before spec.tuning.interval has passed: the timer ticks, nothing runs.
     last = status(cluster)["tuning"]["lastRunAt"]

@@ -16,6 +16,8 @@ SAMPLES = Path(__file__).parents[2] / "manifests" / "samples" / "tiny-cpu.yaml"
 
 def _parsed(tuning_spec: dict, lane_tuning: dict | None = None):
     msvc, interactive, batch = [d for d in yaml.safe_load_all(SAMPLES.read_text()) if d]
+    for doc in (msvc, interactive, batch):  # the samples leave the namespace to `kubectl -n`
+        doc["metadata"]["namespace"] = "tokenlane-demo"
     msvc = copy.deepcopy(msvc)
     msvc["spec"]["tuning"] = tuning_spec
     if lane_tuning is not None:
@@ -81,3 +83,22 @@ def test_spec_revision_ignores_status_overrides_and_replicas():
                                    "spec": {**msvc.spec,
                                             "scheduler": {**msvc.spec["scheduler"], "prefillChunkSize": 64}}})
     assert tuning.spec_revision(changed, lanes)[0] != rev
+
+
+async def test_read_prometheus_selects_the_namespace(monkeypatch):
+    """Two ModelServices serving the same model name in different namespaces must not mix: every
+    PromQL query of the tuner matches the ModelService's namespace as well as the model."""
+    from tokenlane.operator.prometheus import PrometheusClient
+
+    asked: list[str] = []
+
+    async def query(self, promql, at=None):
+        asked.append(promql)
+        return []
+
+    monkeypatch.setattr(PrometheusClient, "query", query)
+    await tuning.read_prometheus("http://prometheus:9090", "tiny", 300, ["interactive"], namespace="team-a")
+    assert asked and all('model="tiny"' in q and 'namespace="team-a"' in q for q in asked), asked
+    asked.clear()
+    await tuning.read_prometheus("http://prometheus:9090", "tiny", 300, ["interactive"])
+    assert asked and not any("namespace=" in q for q in asked)
