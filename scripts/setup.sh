@@ -21,5 +21,6 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: 2.13.0 is the CPU build on local disk; anything else pulls GBs.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+rm -rf build  # setuptools builds in-tree and never prunes stale modules from build/lib
 .venv/bin/pip install -q --disable-pip-version-check ".[runtime,triton,operator,bench,test]"
 echo "setup: ready (.venv)" >&2
