@@ -127,6 +127,20 @@ def _route(config: RuntimeConfig, planned: PlannedRequest) -> str:
     return choose_lane(config, caller, headers, planned.prompt_tokens)
 
 
+def request_of(planned: PlannedRequest, config: RuntimeConfig) -> Request:
+    """The engine request for a planned one, timed on the virtual clock."""
+    return Request(
+        request_id=planned.request_id,
+        prompt_token_ids=prompt_ids(planned.index, planned.prompt_tokens),
+        sampling_params=SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True),
+        lane=_route(config, planned),
+        tenant=planned.tenant,
+        priority=planned.priority,
+        arrival_time=planned.arrival_s,  # the true arrival, even if the GPU was busy
+        deadline=None if planned.deadline_ms is None else planned.arrival_s + planned.deadline_ms / 1e3,
+    )
+
+
 def simulate(
     config: RuntimeConfig,
     traffic: Traffic,
@@ -175,16 +189,7 @@ def simulate(
     while pending or live:
         while pending and pending[0].arrival_s <= clock.now:
             planned = pending.popleft()
-            req = Request(
-                request_id=planned.request_id,
-                prompt_token_ids=prompt_ids(planned.index, planned.prompt_tokens),
-                sampling_params=SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True),
-                lane=_route(config, planned),
-                tenant=planned.tenant,
-                priority=planned.priority,
-                arrival_time=planned.arrival_s,  # the true arrival, even if the GPU was busy
-                deadline=None if planned.deadline_ms is None else planned.arrival_s + planned.deadline_ms / 1e3,
-            )
+            req = request_of(planned, config)
             live[req.request_id] = (planned, req)
             try:
                 engine.add_request(req)

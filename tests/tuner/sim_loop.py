@@ -26,12 +26,12 @@ from tokenlane.operator.tuner import (
     decide,
 )
 from tokenlane.runtime.admission import AdmissionError
-from tokenlane.runtime.bench.sim import _route, prompt_ids
+from tokenlane.runtime.bench.sim import request_of
 from tokenlane.runtime.bench.simulator import SimulatedExecutor, VirtualClock
 from tokenlane.runtime.bench.trace import PlannedRequest
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.request import Request, RequestStatus
 
 OK_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 FAILED_STATUSES = (RequestStatus.FINISHED_REJECTED, RequestStatus.FINISHED_TIMEOUT)
@@ -145,14 +145,7 @@ def run(
     while clock.now < end_s:
         while pending and pending[0].arrival_s <= clock.now:
             planned = pending.popleft()
-            req = Request(
-                request_id=planned.request_id,
-                prompt_token_ids=prompt_ids(planned.index, planned.prompt_tokens),
-                sampling_params=SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True),
-                lane=_route(engine.config, planned),
-                tenant=planned.tenant,
-                arrival_time=planned.arrival_s,
-            )
+            req = request_of(planned, engine.config)
             try:
                 engine.add_request(req)
             except AdmissionError:
