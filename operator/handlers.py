@@ -98,7 +98,10 @@ async def _write_status(op: Operator, res: k8s.Resource, body: dict, wanted: dic
 
 
 def _transient(exc: k8s.ApiError) -> kopf.TemporaryError:
-    return kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_S if exc.transient else 6 * RETRY_DELAY_S)
+    # 403 is RBAC or an admission policy, fixed out of band: retry as soon as a transient error.
+    # kopf keeps the delay on the object, so even a restarted operator waits it out.
+    soon = exc.transient or exc.status == 403
+    return kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_S if soon else 6 * RETRY_DELAY_S)
 
 
 class InvalidSpec(Exception):

@@ -6,9 +6,9 @@ one login (kubeconfig, in-cluster service account, or the test's kmock URL).
 
 Writes are server-side apply (`application/apply-patch+yaml`, field manager
 "tokenlane-operator", force) so the operator owns exactly the fields it renders and leaves
-other managers' fields alone. A missing object is created first (POST) and then applied:
-the kmock emulator has no create-by-apply, and on a real API server the create is simply the
-first apply. 404 on delete and 409 on create are expected races and tolerated.
+other managers' fields alone; on a real API server an apply also creates a missing object.
+Where apply answers 404 (the kmock emulator has no create-by-apply) the object is created
+(POST) and then applied. 404 on delete and 409 on create are expected races and tolerated.
 """
 
 from __future__ import annotations
@@ -289,21 +289,21 @@ class Executor:
         return results
 
     async def _upsert(self, res: Resource, action: Action) -> dict:
+        """Server-side apply, which also creates a missing object on a real API server (one
+        write). Servers without create-by-apply (the kmock emulator) answer 404: create, then
+        apply, so the applied fields are recorded the same way."""
         obj = action.obj
         assert obj is not None
-        if action.verb == "create":
-            try:
-                await self.client.create(res, obj)
-            except ApiError as exc:
-                if exc.status != 409:  # someone (our earlier attempt) created it: apply below
-                    raise
         try:
             return await self.client.apply(res, obj)
         except ApiError as exc:
             if exc.status != 404:
                 raise
-        # Deleted between observe and apply: create it again.
-        await self.client.create(res, obj)
+        try:
+            await self.client.create(res, obj)
+        except ApiError as exc:
+            if exc.status != 409:  # created meanwhile (an earlier attempt): apply below
+                raise
         return await self.client.apply(res, obj)
 
 

@@ -12,6 +12,9 @@ an instance that sees a live peer with a higher --priority pauses until that pee
 (how `kopf run --dev` or `kopf freeze` take over safely). This is not leader election: two
 instances of equal priority both keep running, which is why the Deployment in manifests/ runs
 one replica with the Recreate strategy (docs/operations.md, "One operator at a time").
+kopf waits, silently, for a peering object that does not exist; so before starting, the
+operator looks for it and, where it is missing, says so at info level and runs standalone
+(right for a single operator, e.g. on a laptop against a fresh cluster).
 """
 
 from __future__ import annotations
@@ -70,10 +73,64 @@ def start_metrics_server(port: int) -> None:
         log.info("operator metrics on :%d/metrics", port)
 
 
+KOPF_PEERINGS = ("kopf.dev", "v1", "kopfpeerings", "KopfPeering", True)
+CLUSTER_KOPF_PEERINGS = ("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", False)
+
+
+async def missing_peering(args: argparse.Namespace) -> Optional[str]:
+    """Why the peering object of `args` cannot be used (None: it exists everywhere it must).
+
+    Namespace globs are not resolved here: kopf follows them, so they are taken as they are."""
+    from tokenlane.operator import k8s
+
+    group, version, plural, kind, namespaced = CLUSTER_KOPF_PEERINGS if args.all_namespaces else KOPF_PEERINGS
+    resource = k8s.Resource(group, version, plural, kind, namespaced)
+    namespaces = [None] if args.all_namespaces else [ns for ns in args.namespace if not any(c in ns for c in "*?[!")]
+    client = k8s.KubeClient(login(logger=log, settings=kopf.OperatorSettings()))
+    try:
+        for namespace in namespaces:
+            where = f"namespace {namespace!r}" if namespace else "the cluster"
+            try:
+                found = await client.list(resource, namespace)
+            except k8s.ApiError as exc:
+                if exc.status == 404:
+                    return f"the {kind} CRD is not installed (kubectl apply -k crds/)"
+                if exc.status == 403:
+                    return f"this account may not list {plural} in {where} (RBAC: list, watch, patch on kopf.dev {plural})"
+                raise
+            if not any(o["metadata"]["name"] == args.peering for o in found):
+                return f"no {kind} named {args.peering!r} in {where}"
+    finally:
+        await client.close()
+    return None
+
+
+def choose_peering(args: argparse.Namespace) -> None:
+    """Use --peering when its object exists; otherwise say why at info level and run standalone."""
+    if args.standalone:
+        log.info("peering: off (--standalone); make sure this is the only operator for its namespaces")
+        return
+    kind = "ClusterKopfPeering" if args.all_namespaces else "KopfPeering"
+    try:
+        problem = asyncio.run(missing_peering(args))
+    except Exception as exc:  # the API is not reachable yet: kopf retries and reports it
+        log.info("peering: could not check for %s %r (%s); using it as configured", kind, args.peering, exc)
+        return
+    if problem is None:
+        log.info("peering: %s %r (instances with a higher --priority take over)", kind, args.peering)
+        return
+    log.info("peering: %s, so this operator runs standalone (fine for a single operator). To let several "
+             "instances coordinate, create it (manifests/overlays/*/peering.yaml, or: kubectl apply -f - with "
+             "apiVersion: kopf.dev/v1, kind: %s, metadata.name: %s) and restart; --standalone skips this check.",
+             problem, kind, args.peering)
+    args.standalone = True
+
+
 def run(args: argparse.Namespace, stop_flag: Optional[asyncio.Event] = None) -> None:
     kopf.configure(verbose=args.verbose,
                    log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN)
     start_metrics_server(args.metrics_port)
+    choose_peering(args)
     op = Operator()
     registry = register(kopf.OperatorRegistry(), op, login=login)
     tuning.register(registry, op)  # issue 7: the rollout guard and SLO tuner timer

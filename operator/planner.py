@@ -8,8 +8,13 @@
           shared, a dedicated lane removed, the ServiceMonitor disabled).
 Nothing when everything matches: a steady state makes no writes.
 
-"Fields we manage" = the desired object's fields; the API server adds defaults (protocol,
-terminationMessagePath, ...) and status, which are ignored by comparing desired as a subset.
+Drift = a field we render is no longer ours. On a real API server that question is answered
+by managed fields: every server-side apply records the fields the applier owns, and anyone who
+changes one of them (kubectl edit, a client-side apply, a controller) takes it over, so a
+desired field missing from our Apply entry is drift. Comparing values instead never settles:
+the server normalizes what it stores (omits `readOnly: false`, rewrites quantities, adds
+defaults). Servers without managed fields (the kmock emulator) fall back to comparing the
+desired object as a subset of the observed one.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional
 
+import json
+
 from tokenlane.operator.builders import (
     ANNOTATION_APPLIED_HASH,
+    FIELD_MANAGER,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     MANAGED_BY,
@@ -63,6 +71,66 @@ def first_difference(desired: Any, observed: Any, path: str = "") -> Optional[st
     return None
 
 
+def applied_fields(observed: dict, manager: str = FIELD_MANAGER) -> Optional[dict]:
+    """The FieldsV1 set `manager` owns through server-side apply of the object itself, or None
+    when the server keeps no managed fields (or `manager` never applied it)."""
+    for entry in (observed.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == manager and entry.get("operation") == "Apply" and not entry.get("subresource"):
+            return entry.get("fieldsV1") or {}
+    return None
+
+
+def _list_entry(item: Any, fields: dict) -> Optional[dict]:
+    """The FieldsV1 entry of one list element: `k:{...}` for map lists (keys the element holds,
+    or lacks because the server defaults them, like a port's protocol), `v:...` for sets."""
+    if not isinstance(item, dict):
+        return fields.get("v:" + json.dumps(item, separators=(",", ":")))
+    for name, sub in fields.items():
+        if name.startswith("k:"):
+            keys = json.loads(name[2:])
+            if all(k not in item or item[k] == v or str(item[k]) == str(v) for k, v in keys.items()):
+                return sub
+    return None
+
+
+def first_unowned(desired: Any, fields: dict, path: str = "") -> Optional[str]:
+    """Path of the first desired field that `fields` (a FieldsV1 set) does not own, else None.
+    An empty set below a present key owns everything under it (atomic lists and structs)."""
+    if not fields or set(fields) == {"."}:
+        return None
+    if isinstance(desired, dict):
+        for k, v in desired.items():
+            if v is None:
+                continue
+            sub = fields.get(f"f:{k}")
+            if sub is None:
+                return f"{path}.{k}"
+            diff = first_unowned(v, sub, f"{path}.{k}")
+            if diff:
+                return diff
+        return None
+    if isinstance(desired, list):
+        for i, item in enumerate(desired):
+            sub = _list_entry(item, fields)
+            if sub is None:
+                return f"{path}[{i}]"
+            diff = first_unowned(item, sub, f"{path}[{i}]")
+            if diff:
+                return diff
+    return None
+
+
+def drift(desired: dict, observed: dict) -> Optional[str]:
+    """Path of the first rendered field someone else changed, else None."""
+    fields = applied_fields(observed)
+    if fields is None:
+        return first_difference(desired, observed)
+    # Identity (apiVersion, kind, name, namespace) is not a field anyone owns.
+    rendered = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
+    rendered["metadata"] = {k: v for k, v in desired["metadata"].items() if k not in ("name", "namespace")}
+    return first_unowned(rendered, fields)
+
+
 def is_ours(obj: dict, owner_name: str) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     return labels.get(LABEL_MANAGED_BY) == MANAGED_BY and labels.get(LABEL_INSTANCE) == owner_name
@@ -85,7 +153,7 @@ def plan(desired: Iterable[dict], observed: Iterable[dict], owner_name: str) -> 
         if want_hash != have_hash:
             actions.append(Action("apply", key, obj, "changed"))
             continue
-        diff = first_difference(obj, current)
+        diff = drift(obj, current)
         if diff:
             actions.append(Action("apply", key, obj, f"drifted: {diff.lstrip('.')}"))
     for key, current in observed_by_key.items():

@@ -31,12 +31,16 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
 def _obj(desc: str, props: dict, *, required: Optional[list] = None, rules: Optional[list] = None,
-         default: Any = None, **extra: Any) -> dict:
+         defaulted: bool = False, **extra: Any) -> dict:
+    """An object schema. `defaulted`: an absent object is defaulted to one holding every nested
+    default. Complete, not `{}`: the API server checks a default against the schema's CEL rules
+    as written, without filling nested defaults first, so `default: {}` fails every rule that
+    reads a key (found on kube-apiserver 1.28; offline CEL checks cannot see it)."""
     out: dict[str, Any] = {"type": "object", "description": desc, "properties": props}
     if required:
         out["required"] = required
-    if default is not None:
-        out["default"] = default
+    if defaulted:
+        out["default"] = apply_defaults(out, {})
     if rules:
         out["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
     out.update(extra)
@@ -190,7 +194,7 @@ def _scheduler() -> dict:
             "kvCacheRejectWatermark": _num("KV pool usage above which new requests get 503.",
                                            default=d["kvCacheRejectWatermark"], minimum=0, maximum=1, exclusive_minimum=True),
         },
-        default={},
+        defaulted=True,
         rules=[
             ("self.kvCacheHighWatermark < self.kvCacheRejectWatermark && self.kvCacheRejectWatermark <= 1.0",
              "kvCacheHighWatermark must be < kvCacheRejectWatermark <= 1"),
@@ -270,7 +274,7 @@ def model_service_spec() -> dict:
             "simulatorProfile": _str("Cost-model profile for executor=simulated.", max_length=128),
             "seed": _int("Sampling seed of the engine.", default=0, minimum=0),
         },
-        default={},
+        defaulted=True,
         rules=[("self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256]", "blockSize must be a power of two")],
     )
     tenants = {
@@ -305,7 +309,7 @@ def model_service_spec() -> dict:
                 "count": _int("Accelerators per pod; 0 runs on CPU.", default=1, minimum=0, maximum=16, fmt="int32"),
                 "resourceName": _str("Extended resource name of the accelerator.", default="nvidia.com/gpu",
                                      pattern=r"^([a-z0-9.-]+/)?[a-z0-9A-Z._-]+$", max_length=253),
-            }, default={}),
+            }, defaulted=True),
             "resources": _obj("CPU and memory of the runtime container (accelerators come from `gpus`).", {
                 "requests": _quantity_map("Requested resources, e.g. cpu: 4, memory: 32Gi."),
                 "limits": _quantity_map("Resource limits."),
@@ -332,12 +336,12 @@ def model_service_spec() -> dict:
                 "maxUnavailable": {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
                                    "description": "Pods that may be down for voluntary disruptions (number or percent).",
                                    "default": 1},
-            }, default={}),
+            }, defaulted=True),
             "monitoring": _obj("Prometheus scraping of the runtime pods.", {
                 "serviceMonitor": _bool("Create a ServiceMonitor when the Prometheus Operator's CRD exists.", default=True),
                 "interval": _duration("Scrape interval.", "15s"),
                 "scrapeAnnotations": _bool("Put prometheus.io/* scrape annotations on the pods.", default=True),
-            }, default={}),
+            }, defaulted=True),
             "tuning": _obj(
                 "Closed-loop tuning of the lanes' budgets from Prometheus metrics (within bounds).",
                 {
@@ -350,7 +354,7 @@ def model_service_spec() -> dict:
                                            maximum=100),
                     "bounds": _budget_bounds("Global bounds of the tuned budgets."),
                 },
-                default={},
+                defaulted=True,
                 rules=[("!self.enabled || has(self.prometheusUrl)", "tuning.enabled needs tuning.prometheusUrl")],
             ),
             "rollout": _obj(
@@ -363,7 +367,7 @@ def model_service_spec() -> dict:
                         "tpotP95Percent": _num("Allowed TPOT p95 increase, percent.", default=25, minimum=0),
                         "errorRatePercent": _num("Allowed error/rejection rate increase, percentage points.",
                                                  default=5, minimum=0, maximum=100),
-                    }, default={}),
+                    }, defaulted=True),
                     "fallback": _obj("What to apply when even the last-known-good revision misses its SLOs badly.", {
                         "policy": _str("LastKnownGood only restores; Conservative also lowers budgets; "
                                        "StaticBatching also turns continuous batching off.",
@@ -373,9 +377,9 @@ def model_service_spec() -> dict:
                         "missFactor": _num("Fall back when a lane's p95 exceeds its target by this factor.",
                                            default=2.0, minimum=1.0),
                         "after": _duration("How long the misses must last before the fallback is applied.", "5m"),
-                    }, default={}),
+                    }, defaulted=True),
                 },
-                default={},
+                defaulted=True,
             ),
         },
         required=["model"],
@@ -460,7 +464,7 @@ def serving_lane_spec() -> dict:
             "tuning": _obj("Per-lane tuning.", {
                 "enabled": _bool("Let the tuner change this lane's budgets (when the ModelService tunes).", default=True),
                 "bounds": _budget_bounds("Bounds of this lane's tuned budgets."),
-            }, default={}),
+            }, defaulted=True),
         },
         required=["modelServiceRef"],
         rules=[("!has(self.dedicated) || self.isolation == 'dedicated'", "dedicated needs isolation: dedicated")],

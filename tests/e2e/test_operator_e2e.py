@@ -2,7 +2,7 @@
 
     KUBECONFIG=~/.kube/config python -m pytest -m e2e tests/e2e
 
-What it does: applies crds/ (server-side), starts `tokenlane operator --namespace <ns>
+What it does: applies crds/ (server-side, `-k`), starts `tokenlane operator --namespace <ns>
 --standalone` as a subprocess, applies the CPU-only sample into a fresh namespace, and checks
 the Deployment / Service / ConfigMap / PDB, owner references (garbage collection), status
 (observedGeneration, selector, conditions), `kubectl scale msvc` through the scale
@@ -74,27 +74,35 @@ def wait_for(predicate, timeout: float = 90, what: str = ""):
 
 
 @pytest.fixture(scope="module")
-def namespace():
+def namespace(tmp_path_factory):
     ns = f"tokenlane-e2e-{uuid.uuid4().hex[:6]}"
-    kubectl("apply", "--server-side", "--field-manager=tokenlane-e2e", "-f", str(ROOT / "crds"))
+    # -k: crds/ holds a kustomization.yaml, which `-f crds/` would send to the API server.
+    kubectl("apply", "--server-side", "--field-manager=tokenlane-e2e", "-k", str(ROOT / "crds"))
     kubectl("wait", "--for=condition=Established", "--timeout=60s",
             "crd/modelservices.tokenlane.dev", "crd/servinglanes.tokenlane.dev")
     kubectl("create", "namespace", ns)
-    operator = subprocess.Popen(
-        [sys.executable, "-m", "tokenlane.cli", "operator", "--namespace", ns, "--standalone",
-         "--metrics-port", "0", "--liveness", "", "--log-format", "plain"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The log goes to a file: nobody reads a pipe until the end, and a full pipe blocks the operator.
+    log_path = tmp_path_factory.mktemp("e2e") / "operator.log"
+    with open(log_path, "w") as log:
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "tokenlane.cli", "operator", "--namespace", ns, "--standalone",
+             "--metrics-port", "0", "--liveness", "", "--log-format", "plain"],
+            stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         yield ns
     finally:
+        # While the operator still runs: it removes its finalizers (after a failed test too),
+        # so the namespace does not hang in Terminating.
+        kubectl("delete", "modelservices,servinglanes", "--all", "-n", ns, "--wait=true", "--timeout=60s",
+                check=False)
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
         operator.terminate()
         try:
-            out, _ = operator.communicate(timeout=30)
+            operator.wait(timeout=30)
         except subprocess.TimeoutExpired:
             operator.kill()
-            out, _ = operator.communicate()
-        print(out[-5000:])
+            operator.wait()
+        print(log_path.read_text()[-5000:])
 
 
 def sample_docs(ns: str) -> list[dict]:

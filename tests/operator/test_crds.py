@@ -11,17 +11,24 @@ import jsonschema
 import pytest
 import yaml
 
+from crd_cases import (  # tests/operator, put on sys.path by conftest
+    LANE_INVALID,
+    MSVC_INVALID,
+    OUT_OF_RANGE,
+    invalid_lane,
+    invalid_model_service,
+    sample_docs,
+    set_field,
+)
 from tokenlane.operator import schema
 from tokenlane.operator.model import parse_model_service, parse_serving_lane
 from tokenlane.runtime.config import EngineConfig, SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 
 
 def _docs() -> list[dict]:
-    return [d for p in SAMPLES for d in yaml.safe_load_all(p.read_text())
-            if d and d.get("kind") in ("ModelService", "ServingLane")]
+    return sample_docs()
 
 
 def _sample(kind: str, name: str) -> dict:
@@ -140,31 +147,35 @@ def cel_failures(kind: str, obj: dict) -> list[str]:
     return failures
 
 
+def _defaulted_nodes(node: dict, path: str = ""):
+    """(path, node) of every schema node that carries a `default`."""
+    if "default" in node:
+        yield path, node
+    for key, sub in node.get("properties", {}).items():
+        yield from _defaulted_nodes(sub, f"{path}.{key}")
+    if "items" in node:
+        yield from _defaulted_nodes(node["items"], f"{path}[*]")
+
+
+@pytest.mark.parametrize("kind", ["ModelService", "ServingLane"])
+def test_every_default_passes_its_own_rules(kind):
+    """The API server checks each `default` against the schema and CEL rules of its node as
+    written (nested defaults are not filled first): kube-apiserver refused the CRD whose
+    `scheduler: {default: {}}` had rules reading keys."""
+    for path, node in _defaulted_nodes(schema.crd_schema(kind)):
+        default = node["default"]
+        assert not list(jsonschema.Draft4Validator(schema.to_jsonschema(node)).iter_errors(default)), path
+        for rule_path, rule, message in schema.cel_rules(node):
+            program = _ENV.program(_ENV.compile(rule))
+            for value in _nodes(_typed(node, default), rule_path if rule_path != "." else ""):
+                result = program.evaluate({"self": celpy.json_to_cel(value)})
+                assert not isinstance(result, Exception) and bool(result), f"{path}{rule_path}: {message} ({result})"
+
+
 def test_every_cel_rule_compiles():
     for kind in ("ModelService", "ServingLane"):
         for path, rule, _ in schema.cel_rules(schema.crd_schema(kind)):
             _ENV.compile(rule)
-
-
-def _set(obj, dotted, value):
-    *head, last = dotted.split(".")
-    for part in head:
-        obj = obj.setdefault(part, {})
-    obj[last] = value
-
-
-MSVC_INVALID = [
-    ("spec.scheduler.kvCacheHighWatermark", 0.96, "kvCacheHighWatermark must be < kvCacheRejectWatermark"),
-    ("spec.scheduler.kvCacheRejectWatermark", 0.80, "kvCacheHighWatermark must be < kvCacheRejectWatermark"),
-    ("spec.scheduler.prefillChunkSize", 16384, "prefillChunkSize must be <= maxBatchedTokens"),
-    ("spec.scheduler.maxActiveSequences", 9000, "maxActiveSequences must be <= maxBatchedTokens"),
-    ("spec.tuning.bounds.maxActiveSequences", {"min": 300, "max": 100}, "min must be <= max"),
-    ("spec.tuning.bounds.kvCacheHighWatermark", {"min": 0.9, "max": 0.8}, "min must be <= max"),
-    ("spec.engine.blockSize", 24, "blockSize must be a power of two"),
-    ("spec.model.source.hostPath", {"path": "/data"}, "set at most one of pvc, hostPath, tinyModel"),
-    ("spec.model.path", "/opt/model", "with a source, path must lie under /models/"),
-    ("spec.tuning.prometheusUrl", None, "tuning.enabled needs tuning.prometheusUrl"),
-]
 
 
 def test_cel_root_rules_on_names():
@@ -183,11 +194,7 @@ def test_cel_root_rules_on_names():
 
 @pytest.mark.parametrize("field,value,message", MSVC_INVALID, ids=[c[0] + "=" + str(c[1]) for c in MSVC_INVALID])
 def test_cel_refuses_invalid_model_service(field, value, message):
-    doc = _sample("ModelService", "llama3-8b")
-    if value is None:
-        doc["spec"]["tuning"].pop("prometheusUrl")
-    else:
-        _set(doc, field, value)
+    doc = invalid_model_service(field, value)
     failures = cel_failures("ModelService", schema.apply_defaults(schema.crd_schema("ModelService"), doc))
     assert any(message in f for f in failures), failures
     # The operator refuses the same object with a message naming the field (no API server needed).
@@ -195,32 +202,19 @@ def test_cel_refuses_invalid_model_service(field, value, message):
         parse_model_service(doc)
 
 
-LANE_INVALID = [
-    ("spec.budgets", {"prefillChunkSize": 4096, "maxBatchedTokens": 1024}, "prefillChunkSize must be <= maxBatchedTokens"),
-    ("spec.match", {"minPromptTokens": 100, "maxPromptTokens": 10}, "minPromptTokens must be <= maxPromptTokens"),
-    ("spec.dedicated", {"replicas": 2}, "dedicated needs isolation: dedicated"),
-    ("spec.tuning.bounds.prefillChunkSize", {"min": 2048, "max": 256}, "min must be <= max"),
-]
-
-
 @pytest.mark.parametrize("field,value,message", LANE_INVALID, ids=[c[0] for c in LANE_INVALID])
 def test_cel_refuses_invalid_lane(field, value, message):
-    doc = _sample("ServingLane", "llama3-8b-interactive")
-    _set(doc, field, value)
+    doc = invalid_lane(field, value)
     failures = cel_failures("ServingLane", schema.apply_defaults(schema.crd_schema("ServingLane"), doc))
     assert any(message in f for f in failures), failures
     with pytest.raises(ValueError):
         parse_serving_lane(doc)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("spec.replicas", -1), ("spec.scheduler.policy", "fifo"), ("spec.gpus.count", 17),
-    ("spec.scheduler.kvCacheHighWatermark", 0), ("spec.model.dtype", "int4"), ("spec.bogus", 1),
-    ("spec.tenants", [{"name": "a", "apiKeySha256": "not-hex"}]),
-])
+@pytest.mark.parametrize("field,value", OUT_OF_RANGE)
 def test_schema_refuses_out_of_range(field, value):
     doc = _sample("ModelService", "tiny")
-    _set(doc, field, value)
+    set_field(doc, field, value)
     assert list(_validator("ModelService").iter_errors(doc))
     with pytest.raises(ValueError, match=field.split(".")[-1]):
         parse_model_service(doc)
