@@ -5,11 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == "--system" ]]; then
-  if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
-    echo "setup: installing Debian's prometheus (apt-get)" >&2
+  # Debian's prometheus for the integration tests; etcd for the cluster tier's control plane
+  # (../shared/k8s/up.sh would install it too, but one apt-get run avoids the dpkg lock race).
+  packages=()
+  if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then packages+=(prometheus); fi
+  if [[ -f ../shared/k8s/up.sh ]] && ! command -v etcd >/dev/null; then packages+=(etcd-server); fi
+  if (( ${#packages[@]} )); then
+    echo "setup: installing Debian's ${packages[*]} (apt-get)" >&2
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >/dev/null
-    apt-get install -y -q --no-install-recommends prometheus >/dev/null
+    apt-get install -y -q --no-install-recommends "${packages[@]}" >/dev/null
   fi
 fi
 

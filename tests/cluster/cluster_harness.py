@@ -123,7 +123,7 @@ class Cluster:
 
     def stop(self) -> None:
         if self.home is not None:
-            run([str(SHARED_K8S / "down.sh"), "--wipe"], env=self.env, timeout=120, check=False)
+            run(["bash", str(SHARED_K8S / "down.sh"), "--wipe"], env=self.env, timeout=120, check=False)
 
 
 def _state(pid: int) -> str:
@@ -173,8 +173,8 @@ def _start_shared() -> Cluster:
         "ETCD_PEER_PORT": os.environ.get("TOKENLANE_K8S_ETCD_PEER_PORT", "12380"),
         "KCM_PORT": os.environ.get("TOKENLANE_K8S_KCM_PORT", "20257"),
     }
-    run([str(SHARED_K8S / "down.sh"), "--wipe"], env=env, check=False)  # leftovers of a killed run
-    run([str(SHARED_K8S / "up.sh"), "--fresh"], env=env, timeout=600)
+    run(["bash", str(SHARED_K8S / "down.sh"), "--wipe"], env=env, check=False)  # leftovers of a killed run
+    run(["bash", str(SHARED_K8S / "up.sh"), "--fresh"], env=env, timeout=600)
     return Cluster(kubeconfig=str(home / "kubeconfig"), source="shared", home=home, env=env)
 
 

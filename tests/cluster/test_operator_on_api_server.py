@@ -226,7 +226,7 @@ def kubelet(samples: Cluster, workdir: Path):
     if not standin.exists():
         pytest.skip("no kubelet stand-in (../shared/k8s); on a real cluster pods become ready by themselves")
     config_file = workdir / "mounted" / "runtime.yaml"
-    proc = subprocess.Popen([str(standin), WORKLOAD_NS, "app.kubernetes.io/instance=tiny", "tiny-config",
+    proc = subprocess.Popen(["bash", str(standin), WORKLOAD_NS, "app.kubernetes.io/instance=tiny", "tiny-config",
                              "runtime.yaml", str(config_file), "0.5"],
                             env={**os.environ, "KUBECONFIG": samples.kubeconfig},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -390,6 +390,21 @@ def test_garbage_collector_removes_owned_objects(samples: Cluster, operator: Run
                     and e["objectRef"]["resource"] in OWNED_RESOURCES}
         assert {r for r, _ in deleters} >= {"configmaps", "deployments", "services", "poddisruptionbudgets"}
         assert {u for _, u in deleters} == {"system:serviceaccount:kube-system:generic-garbage-collector"}, deleters
+
+
+def test_without_its_peering_object_it_says_so_and_runs_standalone(samples: Cluster, workdir: Path):
+    """kopf alone would wait forever, silently, for a KopfPeering that does not exist."""
+    samples.kubectl("create", "namespace", "peerless")
+    process = OperatorProcess(Path(samples.kubeconfig), ["--namespace", "peerless"], workdir / "peerless.log",
+                              pod_id="tokenlane-operator-peerless")
+    try:
+        samples.kubectl("apply", "-n", "peerless", "-f", str(ROOT / "manifests" / "samples" / "tiny-cpu.yaml"))
+        wait_for(lambda: observed(samples.get("msvc", "tiny", "peerless")), timeout=90, what="peerless/tiny reconciled")
+        assert ("peering: no KopfPeering named 'tokenlane' in namespace 'peerless', so this operator runs "
+                "standalone") in process.log()
+    finally:
+        process.stop()
+        samples.kubectl("delete", "namespace", "peerless", "--wait=false", check=False)
 
 
 # --------------------------------------------------------------------------- the cluster-wide overlay
