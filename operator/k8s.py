@@ -61,6 +61,8 @@ EVENTS = Resource("", "v1", "events", "Event")
 DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 SERVICE_MONITORS = Resource("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor")
+KOPF_PEERINGS = Resource("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
+CLUSTER_KOPF_PEERINGS = Resource("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False)
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                 namespaced=False)
 

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import kopf
 
-from tokenlane.operator import tuning
+from tokenlane.operator import k8s, tuning
 from tokenlane.operator.handlers import Operator, register
 
 log = logging.getLogger("tokenlane.operator")
@@ -73,18 +73,12 @@ def start_metrics_server(port: int) -> None:
         log.info("operator metrics on :%d/metrics", port)
 
 
-KOPF_PEERINGS = ("kopf.dev", "v1", "kopfpeerings", "KopfPeering", True)
-CLUSTER_KOPF_PEERINGS = ("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", False)
-
-
 async def missing_peering(args: argparse.Namespace) -> Optional[str]:
     """Why the peering object of `args` cannot be used (None: it exists everywhere it must).
 
     Namespace globs are not resolved here: kopf follows them, so they are taken as they are."""
-    from tokenlane.operator import k8s
-
-    group, version, plural, kind, namespaced = CLUSTER_KOPF_PEERINGS if args.all_namespaces else KOPF_PEERINGS
-    resource = k8s.Resource(group, version, plural, kind, namespaced)
+    resource = k8s.CLUSTER_KOPF_PEERINGS if args.all_namespaces else k8s.KOPF_PEERINGS
+    kind, plural = resource.kind, resource.plural
     namespaces = [None] if args.all_namespaces else [ns for ns in args.namespace if not any(c in ns for c in "*?[!")]
     client = k8s.KubeClient(login(logger=log, settings=kopf.OperatorSettings()))
     try:

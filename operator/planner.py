@@ -19,10 +19,9 @@ desired object as a subset of the observed one.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional
-
-import json
 
 from tokenlane.operator.builders import (
     ANNOTATION_APPLIED_HASH,

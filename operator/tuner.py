@@ -761,11 +761,25 @@ _LANE_ATTR = {"maxActiveSequences": "max_active_sequences", "maxBatchedTokens": 
 _GLOBAL_ATTR = {"kvCacheHighWatermark": "kv_cache_high_watermark"}
 
 
+# Lane budget knobs whose bounds must not exceed the global budget (a lane cap above it has no effect).
+GLOBAL_CAPPED = tuple(_LANE_ATTR)
+
+
+def capped_by_global(bounds: Bounds, global_value: float) -> Bounds:
+    """A lane knob's bounds with the top at the global budget: lanes cap the global budgets,
+    so a lane value above it is not in force (the tuner would chase a change that never shows)."""
+    hi = min(bounds.max, global_value)
+    return Bounds(min(bounds.min, hi), hi)
+
+
 def lane_targets(config, bounds: Mapping[str, Mapping[str, Bounds]]) -> list[LaneTarget]:
     """LaneTargets from a RuntimeConfig's lanes (SLOs, class, priority) and declared bounds."""
+    def lane_bounds(name: str) -> dict:
+        return {knob: capped_by_global(b, getattr(config.scheduler, _LANE_ATTR[knob])) if knob in GLOBAL_CAPPED else b
+                for knob, b in bounds.get(name, {}).items()}
     return [
         LaneTarget(lane.name, lane.lane_class, lane.priority, lane.slo.ttft_p95_ms, lane.slo.tpot_p95_ms,
-                   dict(bounds.get(lane.name, {})))
+                   lane_bounds(lane.name))
         for lane in config.lanes
     ]
 

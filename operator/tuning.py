@@ -44,8 +44,6 @@ TICK_S = 10.0
 HISTORY = 30  # decisions kept in status.tuning.history (consecutive holds share one)
 ROLLOUT_CONFIGMAP_SUFFIX = "-rollout"
 COMPONENT_ROLLOUT = "rollout-guard"
-# Lane budget knobs whose bounds must not exceed the global budget (a lane cap above it has no effect).
-_GLOBAL_CAPPED = ("maxActiveSequences", "maxBatchedTokens", "prefillChunkSize")
 
 # (prometheusUrl, served model name, window seconds, lane names, namespace=...) -> one sample
 SampleReader = Callable[..., Awaitable[tuner.MetricSample]]
@@ -107,11 +105,9 @@ def lane_targets(msvc: ModelService, desired: builders.Desired,
             current = budgets.get(lane.lane_name, knob)
             if not b or current is None:
                 continue
-            lo, hi = b.get("min", current), b.get("max", current)
-            if knob in _GLOBAL_CAPPED:
-                hi = min(hi, sched[knob])
-                lo = min(lo, hi)
-            bounds[knob] = tuner.Bounds(lo, hi)
+            bounds[knob] = tuner.Bounds(b.get("min", current), b.get("max", current))
+            if knob in tuner.GLOBAL_CAPPED:
+                bounds[knob] = tuner.capped_by_global(bounds[knob], sched[knob])
         slo = lane.spec.get("slo") or {}
         out.append(tuner.LaneTarget(lane.lane_name, lane.spec["class"], lane.spec["priority"],
                                     slo.get("ttftP95Ms"), slo.get("tpotP95Ms"), bounds))

@@ -102,3 +102,23 @@ async def test_read_prometheus_selects_the_namespace(monkeypatch):
     asked.clear()
     await tuning.read_prometheus("http://prometheus:9090", "tiny", 300, ["interactive"])
     assert asked and not any("namespace=" in q for q in asked)
+
+
+def test_runtime_config_lane_bounds_stop_at_the_global_budget():
+    """A lane cap above the global budget is not in force: the runtime.yaml adapter (used by the
+    real-Prometheus test and the closed-loop simulation) narrows bounds as the operator does, or
+    the tuner would raise a lane's prefillChunkSize 128 -> 160 that never shows in /metrics."""
+    from tokenlane.operator.tuner import lane_targets
+    from tokenlane.runtime.config import loads_config
+
+    config = loads_config("""
+model: {path: /m, servedName: tiny}
+scheduler: {maxActiveSequences: 16, maxBatchedTokens: 256, prefillChunkSize: 128}
+lanes:
+  - {name: interactive, default: true, maxBatchedTokens: 128}
+""")
+    (target,) = lane_targets(config, {"interactive": {
+        "prefillChunkSize": Bounds(32, 256), "maxActiveSequences": Bounds(4, 64), "maxBatchedTokens": Bounds(300, 512)}})
+    assert target.bounds["prefillChunkSize"] == Bounds(32, 128)
+    assert target.bounds["maxActiveSequences"] == Bounds(4, 16)
+    assert target.bounds["maxBatchedTokens"] == Bounds(256, 256)  # a floor above the cap collapses to it
