@@ -66,7 +66,7 @@ def _skip_reason(command: str) -> str | None:
 
 def test_every_command_of_the_page_is_run_or_skipped_for_a_reason():
     commands = [c for c, _ in _commands()]
-    assert any(c.startswith("tokenlane operator") for c in commands)
+    assert sum(1 for c in commands if c.startswith("tokenlane operator")) == 1
     assert sum(1 for c in commands if c.startswith("kubectl") and not _skip_reason(c)) >= 15, commands
 
 
@@ -96,6 +96,7 @@ def test_the_quickstart_verbatim(crds: Cluster, stand_in, tmp_path: Path):
             if _skip_reason(command):
                 continue
             if command.endswith("&"):  # the operator, in the background as the page runs it
+                assert operator is None, "the page starts a second operator"
                 log = open(tmp_path / "operator.log", "w")
                 operator = subprocess.Popen(["bash", "-c", "exec " + command.rstrip("& ")], cwd=ROOT, env=env,
                                             stdout=log, stderr=subprocess.STDOUT)
@@ -131,7 +132,7 @@ def test_the_quickstart_verbatim(crds: Cluster, stand_in, tmp_path: Path):
             print("operator log:\n" + (tmp_path / "operator.log").read_text()[-5000:])
         # The page ends by uninstalling: put back what later modules of the session rely on.
         for namespace in ("tokenlane", "tokenlane-system"):
-            crds.kubectl("wait", "--for=delete", f"namespace/{namespace}", "--timeout=120s", check=False)
+            crds.kubectl("wait", "--for=delete", f"namespace/{namespace}", "--timeout=90s", check=False, timeout=120)
         crds.kubectl("apply", "-k", str(ROOT / "crds"))
         wait_for(lambda: (c := condition(crds.get("crd", "modelservices.tokenlane.dev"), "Established"))
                  and c["status"] == "True", what="the CRDs back")
