@@ -73,7 +73,7 @@ class StepTimeEstimator:
         params = request.sampling_params
         prefill = (self.prefill_token_s or 0.0) * request.num_prompt_tokens
         exact_length = params.ignore_eos and not params.stop and not params.stop_token_ids
-        decodes = (params.max_tokens - 1) * self.decode_step_s if exact_length else 0.0
+        decodes = max(0, params.max_tokens - 1) * self.decode_step_s if exact_length else 0.0
         return max(prefill, self.decode_step_s) + decodes
 
 

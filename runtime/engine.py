@@ -30,7 +30,7 @@ from tokenlane.runtime.admission import (
 )
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.plan import Executor, ExecutorOutput, StepPlan
-from tokenlane.runtime.request import FinishReason, Request, RequestStatus
+from tokenlane.runtime.request import FinishReason, Request, RequestStatus, TokenLogprob
 from tokenlane.runtime.scheduler import Scheduler
 from tokenlane.runtime.stats import EngineObserver, LaneStepStats, StepStats
 
@@ -53,6 +53,11 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # Logprobs of new_token_ids (one each), when the request asked for logprobs.
+    new_logprobs: Optional[list[TokenLogprob]] = None
+    # Every prompt token's logprob (entry 0 None), on the request's first output only, when
+    # it asked for prompt logprobs.
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 class _TextState:
@@ -372,6 +377,8 @@ class LLMEngine:
                 continue
             succeeded = True
             output.sampled.update(part.sampled)
+            output.logprobs.update(part.logprobs)
+            output.prompt_logprobs.update(part.prompt_logprobs)
             output.errors.update(part.errors)
             output.step_seconds += part.step_seconds
         output.errors.update(failed_alone)
@@ -431,6 +438,13 @@ class LLMEngine:
 
     @staticmethod
     def _output(request: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        params = request.sampling_params
+        new_logprobs = prompt_logprobs = None
+        if params.logprobs is not None:
+            new_logprobs = request.output_logprobs[len(request.output_logprobs) - len(new_ids):] if new_ids else []
+        if params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = list(request.prompt_logprobs)
         return RequestOutput(
             request_id=request.request_id,
             lane=request.lane,
@@ -442,6 +456,8 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ observers

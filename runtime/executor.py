@@ -21,11 +21,37 @@ from tokenlane.kernels.api import resolve_backend
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.model import AttentionMetadata, CausalLM, kv_cache_bytes_per_block
 from tokenlane.runtime.plan import ExecutorOutput, ScheduledChunk, StepPlan
+from tokenlane.runtime.request import TokenLogprob
 from tokenlane.runtime.sampler import Sampler, make_generator
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def token_logprobs(
+    logits: torch.Tensor, rows: list[int], token_ids: list[int], ks: list[int]
+) -> list[TokenLogprob]:
+    """Logprob, rank and top-k of `token_ids[i]` under row `rows[i]` of `logits` [R, V].
+
+    The model's distribution: log_softmax of the raw logits in float32 (no temperature,
+    top-k or top-p), as vLLM returns by default. One batched pass, one transfer to the host.
+    """
+    dev = logits.device
+    lp = torch.log_softmax(logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev)).float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+    chosen = lp.gather(1, ids.unsqueeze(1))
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    k_max = min(max(ks, default=0), lp.shape[-1])
+    if k_max:
+        top_values, top_ids = lp.topk(k_max, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    chosen_list, rank_list = chosen.squeeze(1).tolist(), ranks.tolist()
+    out = []
+    for i, (token, k) in enumerate(zip(token_ids, ks)):
+        top = tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ()
+        out.append(TokenLogprob(token, chosen_list[i], rank_list[i], top))
+    return out
 
 
 def select_device(name: str) -> torch.device:
@@ -46,6 +72,8 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelExecutor:
     """Implements the `Executor` protocol (runtime/plan.py) with the real model."""
+
+    supports_logprobs = True
 
     def __init__(self, config: RuntimeConfig):
         self.config = config
@@ -177,6 +205,8 @@ class ModelExecutor:
         # Prompt tokens (the engine's admission checks them too; an id outside the table
         # would be a device-side assert on CUDA, fatal to every request).
         ids = self._chunk_token_ids(chunk)
+        if request.sampling_params.prompt_logprobs is not None and end < request.num_prompt_tokens:
+            ids = ids + [request.prompt_token_ids[end]]  # scored by this chunk's last row
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             errors[request.request_id] = (
@@ -221,6 +251,11 @@ class ModelExecutor:
         query_lens: list[int] = []
         logits_rows: list[int] = []
         sampled_chunks: list[ScheduledChunk] = []
+        # Prompt logprobs: the rows (positions) whose logits score the next prompt token.
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []  # the prompt token each of those rows scores
+        prompt_ks: list[int] = []
+        prompt_spans: list[tuple[str, int, int]] = []  # (request id, first token scored, count)
         offset = 0
         for c in ordered:
             n, start = c.num_tokens, c.start
@@ -235,6 +270,18 @@ class ModelExecutor:
                 slots += [blocks[p // bs] * bs + p % bs for p in rng]
             seq_lens.append(start + n)
             query_lens.append(n)
+            k = c.request.sampling_params.prompt_logprobs
+            if k is not None:
+                prompt = c.request.prompt_token_ids
+                # Position p scores prompt token p + 1: positions lo .. end - 1 here, past
+                # the tokens already scored (a recomputation after a preemption has them).
+                lo = max(start, len(c.request.prompt_logprobs) - 1)
+                end = min(start + n, len(prompt) - 1)
+                if end > lo:
+                    prompt_rows += range(offset + lo - start, offset + end - start)
+                    prompt_targets += prompt[lo + 1 : end + 1]
+                    prompt_ks += [k] * (end - lo)
+                    prompt_spans.append((c.request.request_id, lo + 1, end - lo))
             offset += n
             if c.sample:
                 logits_rows.append(offset - 1)
@@ -269,18 +316,36 @@ class ModelExecutor:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        if not sampled_chunks:
+        rows = logits_rows + prompt_rows
+        if not rows:
             # Prefill chunks that stop inside their prompts: K/V only, no logits needed.
             self.model(input_ids, pos, self.kv_caches, meta, torch.zeros(0, dtype=torch.long, device=dev))
             return
-        logits = self.model(
-            input_ids, pos, self.kv_caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=dev)
+        # One forward pass: logits of the sampling rows first, then the prompt-logprob rows.
+        logits = self.model(input_ids, pos, self.kv_caches, meta, torch.tensor(rows, dtype=torch.long, device=dev))
+        num_sampled = len(logits_rows)
+        tokens: list[int] = []
+        if sampled_chunks:
+            params = [c.request.sampling_params for c in sampled_chunks]
+            generators = [self._generator(c) for c in sampled_chunks]
+            tokens = self.sampler(logits[:num_sampled], params, generators)
+            for c, token in zip(sampled_chunks, tokens):
+                output.sampled[c.request.request_id] = token
+        want = [j for j, c in enumerate(sampled_chunks) if c.request.sampling_params.logprobs is not None]
+        if not want and not prompt_rows:
+            return
+        entries = token_logprobs(
+            logits,
+            want + list(range(num_sampled, len(rows))),
+            [tokens[j] for j in want] + prompt_targets,
+            [sampled_chunks[j].request.sampling_params.logprobs for j in want] + prompt_ks,
         )
-        params = [c.request.sampling_params for c in sampled_chunks]
-        generators = [self._generator(c) for c in sampled_chunks]
-        tokens = self.sampler(logits, params, generators)
-        for c, token in zip(sampled_chunks, tokens):
-            output.sampled[c.request.request_id] = token
+        for j, entry in zip(want, entries):
+            output.logprobs[sampled_chunks[j].request.request_id] = entry
+        at = len(want)
+        for rid, first, count in prompt_spans:
+            output.prompt_logprobs[rid] = (first, entries[at : at + count])
+            at += count
 
     def _generator(self, chunk: ScheduledChunk) -> Optional[torch.Generator]:
         params = chunk.request.sampling_params

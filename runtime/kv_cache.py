@@ -104,14 +104,21 @@ class KVCacheManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, request: Request, max_tokens: Optional[int] = None) -> list[int]:
         """Block ids holding the longest cached prefix of the request's tokens (not yet taken).
 
         Only for a request holding no blocks. The last known token is never served from the
-        cache: it must be computed so the model produces logits for the next token."""
+        cache: it must be computed so the model produces logits for the next token.
+        `max_tokens` caps the prefix (a request that needs the logits of earlier positions,
+        for prompt logprobs, must compute them)."""
         if not self.enable_prefix_caching or request.block_ids:
             return []
-        hashes = self._request_hashes(request, (request.num_tokens - 1) // self.block_size)
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        if max_tokens is not None:
+            num_blocks = min(num_blocks, max_tokens // self.block_size)
+        if num_blocks <= 0:
+            return []
+        hashes = self._request_hashes(request, num_blocks)
         hits: list[int] = []
         for block_hash in hashes:
             block_id = self._cached.get(block_hash)

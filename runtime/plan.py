@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from tokenlane.runtime.request import Request
+from tokenlane.runtime.request import Request, TokenLogprob
 
 
 @dataclass
@@ -59,6 +59,13 @@ class StepPlan:
 class ExecutorOutput:
     # request_id -> the token sampled this step (only for chunks with sample=True).
     sampled: dict[str, int] = field(default_factory=dict)
+    # request_id -> the sampled token's logprob (requests with sampling_params.logprobs set),
+    # from the same logits the token was sampled from.
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request_id -> (index of the first prompt token scored, logprobs of the prompt tokens
+    # this step's chunk scored), for requests with sampling_params.prompt_logprobs set. A
+    # chunk over positions [start, start + n) scores prompt tokens start + 1 .. start + n.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     # request_id -> error message, for requests the executor could not run (finished as error).
     errors: dict[str, str] = field(default_factory=dict)
     # Wall (or simulated) seconds the model step took; feeds deadline estimates and metrics.
@@ -69,6 +76,9 @@ class Executor(Protocol):
     """Runs one step's plan: the model executor (executor.py) or the simulated one (bench)."""
 
     block_size: int  # tokens per KV block (from engine.blockSize)
+    # Whether it fills ExecutorOutput.logprobs / prompt_logprobs (the simulated one does not;
+    # the server refuses logprobs then). Optional attribute, False when absent.
+    # supports_logprobs: bool
     num_kv_blocks: int  # KV pool size the executor allocated (or simulates)
     eos_token_id: Optional[int]  # None: the model has no EOS (simulated executor)
 

@@ -3,10 +3,10 @@
 (Streaming chunks are built as plain dicts in server.py, on the hot path.)
 
 Pydantic models only (no engine logic). Requests accept what OpenAI's API accepts for the
-features we implement; parameters we do not implement (n > 1, logprobs, echo, best_of,
-penalties, tools...) are refused with a 400 that names them rather than silently ignored,
-so a client never gets a different answer from the one it asked for. Unknown fields are
-ignored, as OpenAI-compatible servers do.
+features we implement; parameters we do not implement (n > 1, best_of, penalties, tools...)
+are refused with a 400 whose `param` names them rather than silently ignored, so a client
+never gets a different answer from the one it asked for. Unknown fields are ignored, as
+OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -14,12 +14,22 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 
 INT32_MAX = 2**31 - 1
 # Stop strings are matched on every token's text (cost grows with their length).
 MAX_STOP_STRING_CHARS = 1024
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
+
+
+class ParamError(ValueError):
+    """A body validation error that names its field: the 400's `param` (the server reads it
+    from the validation error's context)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class APIError(Exception):
@@ -86,8 +96,6 @@ class _SamplingFields(BaseModel):
     # Accepted only at the values that mean "off": anything else is refused (never ignored).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: Optional[Any] = None
-    top_logprobs: Optional[int] = None
     best_of: Optional[int] = None
     logit_bias: Optional[dict[str, float]] = None
 
@@ -108,17 +116,17 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _unsupported(self):
         if self.n != 1:
-            raise ValueError("n > 1 is not supported; send n separate requests")
+            raise ParamError("n", "n > 1 is not supported; send n separate requests")
         if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported")
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            raise ValueError("logprobs are not supported")
+            raise ParamError("best_of", "best_of is not supported")
+        if self.presence_penalty:
+            raise ParamError("presence_penalty", "presence_penalty is not supported")
+        if self.frequency_penalty:
+            raise ParamError("frequency_penalty", "frequency_penalty is not supported")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise ParamError("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     @property
@@ -126,42 +134,52 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+TokenIds = list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]]
+# One prompt (text or token ids) or a batch of them (each its own engine request).
+Prompt = Union[str, TokenIds, list[str], list[TokenIds]]
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: Prompt
-    echo: bool = False
+    # 0 is allowed with echo or prompt_logprobs: score the prompt, generate nothing.
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    # Legacy logprobs: each token's logprob plus this many most likely tokens (0: none).
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    # vLLM's extension: per prompt token, its logprob and this many most likely tokens.
+    prompt_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        # A list of one prompt is the same as the prompt; a batch needs one request each.
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError(
-                    f"a batch of {len(value)} prompts is not supported; send one prompt per request"
-                )
-            value = value[0]
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            if any(not 0 <= t <= INT32_MAX for t in value):
-                raise ValueError("token ids must be in [0, 2**31)")
-        elif value == "":
+    def _prompts(cls, value):
+        """A list of prompts (strings or token-id lists) is a batch; each must be non-empty."""
+        batch = value if isinstance(value, list) and value and isinstance(value[0], (str, list)) else [value]
+        if not batch or (isinstance(value, list) and not value):
             raise ValueError("prompt must not be empty")
+        for i, prompt in enumerate(batch):
+            if len(prompt) == 0:
+                where = f"prompt[{i}]" if len(batch) > 1 else "prompt"
+                raise ValueError(f"{where} must not be empty")
         return value
 
     @model_validator(mode="after")
     def _unsupported_completion(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ParamError("suffix", "suffix is not supported")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo or prompt_logprobs)")
         return self
+
+    @property
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The batch: one entry per prompt, in order."""
+        value = self.prompt
+        if isinstance(value, list) and isinstance(value[0], (str, list)):
+            return list(value)
+        return [value]
 
 
 class TextPart(BaseModel):
@@ -191,15 +209,20 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    # Each generated token's logprob, and top_logprobs most likely tokens per position.
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list[Any]] = None
     response_format: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _unsupported_chat(self):
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise ParamError("tools", "tools are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported")
+            raise ParamError("response_format", "response_format other than text is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         return self
 
     @property
@@ -227,8 +250,12 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    # {"tokens", "token_logprobs", "top_logprobs", "text_offset"} (OpenAI's legacy shape)
+    logprobs: Optional[dict[str, Any]] = None
     finish_reason: Optional[str] = None
+    # vLLM's extension, only present when asked for: one entry per prompt token (the first
+    # None), each {token id: {"logprob", "rank", "decoded_token"}}.
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None
 
 
 class CompletionResponse(BaseModel):
@@ -248,7 +275,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None  # {"content": [{token, logprob, bytes, top_logprobs}]}
     finish_reason: Optional[str] = None
 
 

@@ -8,7 +8,19 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log-probability under the model's distribution at its position:
+    log_softmax of the raw logits in float32 (before temperature, top-k, top-p)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token at this position
+    # The most likely tokens at this position, most likely first: (token id, logprob); as
+    # many as the request asked for (logprobs / prompt_logprobs), possibly none.
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class RequestStatus(enum.IntEnum):
@@ -48,6 +60,10 @@ FINISH_REASON_OF_STATUS = {
 }
 
 
+# Most top logprobs a request may ask for per position (OpenAI's limit).
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -58,10 +74,24 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings (checked on decoded text)
     ignore_eos: bool = False
+    # Log-probabilities (see TokenLogprob), computed from the logits the step samples from:
+    # None = off; k >= 0 = each sampled token's logprob plus the k most likely tokens.
+    logprobs: Optional[int] = None
+    # The same for every prompt token after the first (the first has no context: None).
+    # Such a request computes its whole prompt: it takes no cached prefix blocks for the
+    # positions whose logprobs it still needs (see Request.max_cached_prefix_tokens).
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        low = 0 if self.prompt_logprobs is not None else 1
+        if not isinstance(self.max_tokens, int) or self.max_tokens < low:
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 (0 only with prompt logprobs), got {self.max_tokens!r}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -97,6 +127,13 @@ class Request:
     num_preemptions: int = 0
     finish_reason: Optional[FinishReason] = None
     finish_detail: str = ""  # e.g. the rejection reason: queue_full, kv_watermark, deadline
+    # Log-probabilities, when sampling_params asks for them. output_logprobs[i] belongs to
+    # output_token_ids[i]; prompt_logprobs[i] to prompt_token_ids[i] (entry 0 is None), filled
+    # chunk by chunk as the prefill computes them (recomputation after a preemption does not
+    # add them twice).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # the engine handed them to an output already
 
     # Timestamps (time.monotonic()); they feed TTFT, TPOT, queue delay, prefill/decode time.
     first_scheduled_time: Optional[float] = None
@@ -124,6 +161,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def max_cached_prefix_tokens(self) -> Optional[int]:
+        """Most prompt tokens this request may take from the prefix cache (None: no limit).
+
+        The logprob of prompt token i comes from the logits at position i - 1, which only a
+        forward pass over that position produces: a request that still needs prompt logprobs
+        from token j on must compute positions j - 1 onwards itself."""
+        if self.sampling_params.prompt_logprobs is None:
+            return None
+        known = len(self.prompt_logprobs)  # tokens whose logprobs are already recorded
+        if known >= self.num_prompt_tokens:
+            return None  # all recorded (e.g. recomputing after a preemption)
+        return max(0, known - 1)
 
     @property
     def is_prefilling(self) -> bool:

@@ -19,10 +19,13 @@ Every step re-selects the working set from scratch:
    `tokens served / weight` first); a lane that had startable work but got nothing for
    `starvation_steps` steps in a row goes first once, so no lane with work starves.
    Inside a lane: earliest deadline, then request priority, then arrival.
+   A starting request takes the longest cached prefix of its tokens from the prefix cache,
+   except the positions whose logits it needs for prompt logprobs (it computes those).
 
 The result is a `StepPlan`; the executor's `ExecutorOutput` comes back through
-`update_from_output`, which appends sampled tokens, applies stop conditions and registers
-newly full blocks in the prefix cache.
+`update_from_output`, which appends sampled tokens (and their logprobs, and the prompt
+logprobs a chunk scored), applies stop conditions and registers newly full blocks in the
+prefix cache.
 
 `continuousBatching: false` (static batching): a batch of up to maxActiveSequences waiting
 requests is picked when the previous batch has completely finished, and no other request
@@ -415,7 +418,9 @@ class Scheduler:
         """Allocate and schedule the first chunk of a waiting request; None if blocks lack."""
         kv = self.kv
         first_time = request.first_scheduled_time is None
-        cached = kv.find_cached_prefix(request)
+        # A request that still needs prompt logprobs computes those positions itself.
+        cache_limit = request.max_cached_prefix_tokens
+        cached = kv.find_cached_prefix(request, cache_limit)
         todo = request.num_tokens - len(cached) * self.block_size
         n = min(todo, lane.budgets.prefill_chunk_size, token_budget, lane.tokens_left)
         if n <= 0:
@@ -424,7 +429,7 @@ class Scheduler:
             return None
         if from_lane is not None:
             from_lane.pop()
-        if first_time:
+        if first_time and cache_limit != 0:  # a lookup it may not use is not a query
             kv.record_prefix_query(request, cached)
         kv.allocate(request, n, cached)
         request.status = RUNNING
@@ -512,19 +517,31 @@ class Scheduler:
             request.num_computed_tokens = after = before + chunk.num_tokens
             if caching and after // bs != before // bs:  # a block became full: cache it
                 kv.cache_computed_blocks(request)
+            params = request.sampling_params
+            if params.prompt_logprobs is not None and before < request.num_prompt_tokens:
+                if not self._record_prompt_logprobs(request, chunk, output):
+                    continue
             if not chunk.sample:
+                continue
+            if params.max_tokens == 0:  # prompt logprobs only: the sampled token is not wanted
+                self.finish_request(request, RequestStatus.FINISHED_LENGTH, "max_tokens")
                 continue
             token = sampled.get(rid)
             if token is None:
                 self.finish_request(request, RequestStatus.FINISHED_ERROR, "executor sampled no token")
                 continue
+            if params.logprobs is not None:
+                entry = output.logprobs.get(rid)
+                if entry is None:
+                    self.finish_request(request, RequestStatus.FINISHED_ERROR, "executor returned no logprobs")
+                    continue
+                request.output_logprobs.append(entry)
             out = request.output_token_ids
             out.append(token)
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
             got_token_append(request)
-            params = request.sampling_params
             if token == request.eos_token_id and not params.ignore_eos:
                 self.finish_request(request, RequestStatus.FINISHED_STOPPED, "eos")
             elif params.stop_token_ids and token in params.stop_token_ids:
@@ -534,6 +551,25 @@ class Scheduler:
             elif len(out) + len(request.prompt_token_ids) >= max_model_len:
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH, "max_model_len")
         return got_token
+
+    def _record_prompt_logprobs(self, request: Request, chunk: ScheduledChunk, output: ExecutorOutput) -> bool:
+        """Append the prompt logprobs this chunk scored (each prompt token once, in order;
+        a recomputation after a preemption scores known tokens again and is skipped).
+        False if the executor left a gap (the request then ends as an error)."""
+        known = request.prompt_logprobs
+        if not known and chunk.start == 0:
+            known.append(None)  # the first prompt token has no context
+        end = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)
+        if end < len(known):  # tokens up to `end` all scored already (a recomputation)
+            return True
+        first, entries = output.prompt_logprobs.get(request.request_id, (chunk.start + 1, []))
+        if first + len(entries) < end + 1 or first > len(known):
+            self.finish_request(request, RequestStatus.FINISHED_ERROR, "executor returned no prompt logprobs")
+            return False
+        skip = len(known) - first
+        if skip < len(entries):
+            known.extend(entries[max(0, skip):])
+        return True
 
     # ------------------------------------------------------------------ housekeeping
 

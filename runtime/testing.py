@@ -6,6 +6,10 @@ every computed position writes its token id into the slot its block table names,
 chunk checks that the whole context before it reads back as the request's own tokens. A
 wrong block table, a prefix-cache hit on the wrong block, a block shared while written, or a
 chunk that skips or repeats positions fails loudly.
+
+It returns logprobs too (`fake_logprob(position, token)`), and checks that a request that
+asks for prompt logprobs never starts a chunk past a prompt position whose logprob it does
+not have yet (it must not have taken those positions from the prefix cache).
 """
 
 from __future__ import annotations
@@ -14,14 +18,23 @@ import zlib
 from typing import Callable, Optional
 
 from tokenlane.runtime.plan import ExecutorOutput, StepPlan
+from tokenlane.runtime.request import TokenLogprob
 
 
 def fake_token(request_id: str, position: int, vocab_size: int) -> int:
     return zlib.crc32(f"{request_id}:{position}".encode()) % vocab_size
 
 
+def fake_logprob(position: int, token: int) -> TokenLogprob:
+    """The fake logprob of `token` at `position` (a function of both only, so a
+    recomputation or another batch gives the same value)."""
+    return TokenLogprob(token, -(zlib.crc32(f"{position}:{token}".encode()) % 1000) / 100.0, 1, ())
+
+
 class FakeExecutor:
     """Implements the Executor protocol; `step_seconds` may be a function of the plan."""
+
+    supports_logprobs = True
 
     def __init__(
         self,
@@ -70,11 +83,32 @@ class FakeExecutor:
             assert chunk.sample == (end == request.num_tokens)
             if self.check_kv:
                 self._write_and_check(request, chunk.start, end, written)
+            params = request.sampling_params
+            if params.prompt_logprobs is not None:
+                self._prompt_logprobs(request, chunk.start, end, output)
             if chunk.sample:
-                output.sampled[request.request_id] = self.token_fn(request.request_id, end)
+                token = self.token_fn(request.request_id, end)
+                output.sampled[request.request_id] = token
+                if params.logprobs is not None:
+                    output.logprobs[request.request_id] = fake_logprob(end, token)
         step = self.step_seconds
         output.step_seconds = step(plan) if callable(step) else step
         return output
+
+    @staticmethod
+    def _prompt_logprobs(request, start: int, end: int, output: ExecutorOutput) -> None:
+        prompt = request.prompt_token_ids
+        known = len(request.prompt_logprobs)
+        # Scoring prompt token start + 1 needs every token before it scored (or this chunk
+        # to start at 0): a chunk further on skipped positions whose logits were needed.
+        assert start == 0 or known >= min(start + 1, len(prompt)), (
+            f"{request.request_id}: chunk at {start} but only {known} prompt logprobs known"
+        )
+        lo = max(start, known - 1)
+        hi = min(end, len(prompt) - 1)
+        if hi > lo:
+            entries = [fake_logprob(p, prompt[p + 1]) for p in range(lo, hi)]
+            output.prompt_logprobs[request.request_id] = (lo + 1, entries)
 
     def _write_and_check(self, request, start: int, end: int, written: set[int]) -> None:
         bs = self.block_size

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tokenlane.runtime.admission import AdmissionError
 from tokenlane.runtime.engine import LLMEngine
 from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.testing import FakeExecutor, fake_logprob, make_config
 
 DT = 0.01  # simulated seconds per step
 STARVATION_STEPS = 8
@@ -80,9 +80,12 @@ def scenarios(draw):
             shared = draw(st.sampled_from([None, 0, 1]))
             tail = draw(st.lists(st.integers(10, 999), min_size=0 if shared is not None else 1,
                                  max_size=24))
+            prompt_logprobs = draw(st.sampled_from([None, None, 0, 3]))
             arrivals.append({
                 "prompt": (prefixes[shared] if shared is not None else []) + tail,
-                "max_tokens": draw(st.integers(1, 12)),
+                "max_tokens": draw(st.integers(0 if prompt_logprobs is not None else 1, 12)),
+                "logprobs": draw(st.sampled_from([None, None, 0, 2])),
+                "prompt_logprobs": prompt_logprobs,
                 "lane": draw(st.integers(0, n_lanes - 1)),
                 "priority": draw(st.integers(0, 2)),
                 "deadline": draw(st.one_of(st.none(), st.floats(0.0, 0.6))),
@@ -158,7 +161,8 @@ def run_scenario(config, num_blocks, events):
             r = Request(
                 f"r{next_id}",
                 list(spec["prompt"]),
-                SamplingParams(max_tokens=spec["max_tokens"], stop_token_ids=stop),
+                SamplingParams(max_tokens=spec["max_tokens"], stop_token_ids=stop, logprobs=spec["logprobs"],
+                               prompt_logprobs=spec["prompt_logprobs"]),
                 lane=f"lane{spec['lane']}",
                 priority=spec["priority"],
                 deadline=deadline,
@@ -185,6 +189,9 @@ def run_scenario(config, num_blocks, events):
     for r in requests:
         assert r.is_finished, r.request_id
         assert r.finish_reason is not None and r.finish_detail
+        # The strict executor's checks fail a request (the engine isolates executor errors),
+        # and nothing else can here: an error is a broken invariant.
+        assert r.status is not RequestStatus.FINISHED_ERROR, (r.request_id, r.finish_detail)
         if r.request_id in rejected:
             assert r.status is RequestStatus.FINISHED_REJECTED
         assert r.block_ids == []
@@ -198,6 +205,17 @@ def run_scenario(config, num_blocks, events):
         # Outputs are what the model gives, preemptions and prefix hits notwithstanding.
         for i, token in enumerate(r.output_token_ids):
             assert token == ex.token_fn(r.request_id, r.num_prompt_tokens + i)
+        # Logprobs: one per output token and, once its prompt is computed, one per prompt
+        # token, each once, whatever preemptions and prefix hits happened.
+        if r.sampling_params.logprobs is not None:
+            assert r.output_logprobs == [
+                fake_logprob(r.num_prompt_tokens + i, t) for i, t in enumerate(r.output_token_ids)
+            ]
+        if r.sampling_params.prompt_logprobs is not None and r.status in (
+            RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+        ):
+            prompt = r.prompt_token_ids
+            assert r.prompt_logprobs == [None] + [fake_logprob(p, prompt[p + 1]) for p in range(len(prompt) - 1)]
     assert sched.kv.num_free_blocks == sched.kv.num_blocks, "KV blocks leaked"
     sched.kv.check_invariants([])
 

@@ -153,9 +153,20 @@ def test_seeded_sampling_and_stop_strings(shared_server, reference):
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-        ({"prompt": "x", "n": 2}, None),
-        ({"prompt": "x", "logprobs": 3}, None),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "best_of": 2}, "best_of"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),  # strict: no bool -> int
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[False]]}, "prompt"),  # strict: no bool -> token id
+        ({"prompt": [[5], [99999]]}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [-1, 5]}, "prompt"),
         ({"prompt": [5, 99999]}, "prompt"),
@@ -163,7 +174,7 @@ def test_seeded_sampling_and_stop_strings(shared_server, reference):
         ({"prompt": "x", "max_tokens": 600}, "max_tokens"),  # prompt + max_tokens > maxModelLen 512
         ({"prompt": "x", "stop": ["a"] * 20}, "stop"),
         ({"prompt": "x", "stop": "a" * 5000}, "stop"),
-        ({"prompt": "x", "stream_options": {"include_usage": True}}, None),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": {"nested": "object"}}, "prompt"),
     ],
 )
