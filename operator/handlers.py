@@ -115,7 +115,7 @@ async def reconcile_model_service(op: Operator, namespace: str, name: str) -> Op
     """Bring the objects and status of ModelService namespace/name to what its spec says.
 
     Returns the desired state, or None when the ModelService does not exist (lanes referring
-    to it are marked). Raises InvalidSpec (status and Event already written) or k8s.ApiError.
+    to it are marked) or its namespace is being deleted. Raises InvalidSpec (status and Event already written) or k8s.ApiError.
     """
     async with op.lock_for(namespace, name):
         started = time.monotonic()
@@ -189,7 +189,14 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
 
     observed = await op.executor.observe(namespace, name)
     actions = planner.plan(desired.objects, observed, name)
-    results = await op.executor.execute(actions)
+    try:
+        results = await op.executor.execute(actions)
+    except k8s.ApiError as exc:
+        if not exc.namespace_terminating:
+            raise
+        # Its namespace is going away (the ModelService with it): nothing left to render.
+        log.info("namespace %s is being deleted: not rendering ModelService %s", namespace, name)
+        return None
     for action in actions:
         metrics.ACTIONS.labels(verb=action.verb, kind=action.key[1]).inc()
     current = {planner.key_of(o): o for o in observed}

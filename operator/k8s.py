@@ -84,6 +84,11 @@ class ApiError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
     @property
+    def namespace_terminating(self) -> bool:
+        """The namespace is being deleted: the server refuses new objects in it (403)."""
+        return self.status == 403 and "because it is being terminated" in self.message
+
+    @property
     def transient(self) -> bool:
         """Worth retrying later: conflicts, throttling, server trouble."""
         return self.status in (409, 429) or self.status >= 500

@@ -146,7 +146,8 @@ class Cluster:
                 and (e.get("involvedObject") or {}).get("kind") == kind
                 and (e.get("involvedObject") or {}).get("name") == name]
 
-    async def wait_for(self, predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    async def wait_for(self, predicate: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
+        # A cap, not an expectation: the reconcile usually lands in well under a second.
         deadline = time.monotonic() + timeout
         last_exc = None
         while time.monotonic() < deadline:

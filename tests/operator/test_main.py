@@ -74,9 +74,11 @@ async def test_tokenlane_operator_cli_against_kmock(declared, tmp_path):
             await asyncio.sleep(0.2)
         assert cm is not None and "name: interactive" in cm["data"]["runtime.yaml"]
         import httpx
-        async with httpx.AsyncClient() as http:
-            metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
-        assert 'tokenlane_operator_reconciles_total{kind="ModelService",result="ok"}' in metrics
+        ok = 'tokenlane_operator_reconciles_total{kind="ModelService",result="ok"}'
+        async with httpx.AsyncClient() as http:  # the ConfigMap comes first; the reconcile ends later
+            while time.monotonic() < deadline and ok not in (metrics := (await http.get(f"http://127.0.0.1:{port}/metrics")).text):
+                await asyncio.sleep(0.2)
+        assert ok in metrics
     finally:
         proc.terminate()
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
