@@ -328,7 +328,8 @@ class ModelExecutor:
         if sampled_chunks:
             params = [c.request.sampling_params for c in sampled_chunks]
             generators = [self._generator(c) for c in sampled_chunks]
-            tokens = self.sampler(logits[:num_sampled], params, generators)
+            histories = [c.request for c in sampled_chunks]
+            tokens = self.sampler(logits[:num_sampled], params, generators, histories)
             for c, token in zip(sampled_chunks, tokens):
                 output.sampled[c.request.request_id] = token
         want = [j for j, c in enumerate(sampled_chunks) if c.request.sampling_params.logprobs is not None]

@@ -82,6 +82,20 @@ EXPECTED_OUTCOMES = (
     ("error", "other"),
 )
 
+# `reason` values of outcome="invalid": requests the server refused with a 400 before
+# admission (the error's code); any other code counts as "other". The first is created at
+# zero for every lane and tenant.
+INVALID_REASONS = (
+    "invalid_parameter",
+    "context_length_exceeded",
+    "empty_prompt",
+    "invalid_token_id",
+    "no_chat_template",
+    "chat_template_error",
+    "unknown_lane",
+    "invalid_deadline",
+)
+
 # The lane/tenant label of a request whose lane or tenant is not configured (e.g. one
 # rejected for naming an unknown lane): never the caller's own string.
 UNKNOWN_LABEL = "unknown"
@@ -139,7 +153,7 @@ class PrometheusMetrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", tenant, registry=r)
         self.requests = Counter(
             PREFIX + "requests",
-            "Requests by final outcome (finished|cancelled|timeout|rejected|error) and reason.",
+            "Requests by final outcome (finished|cancelled|timeout|rejected|error|invalid) and reason.",
             tenant + ["outcome", "reason"],
             registry=r,
         )
@@ -230,6 +244,7 @@ class PrometheusMetrics:
                 self.generation_tokens.labels(m, name, tenant)
                 for outcome, reason in EXPECTED_OUTCOMES:
                     self.requests.labels(m, name, tenant, outcome, reason)
+                self.requests.labels(m, name, tenant, "invalid", INVALID_REASONS[0])
         self._lanes = lanes
         self._tenants = set(tenants)
         self.kv_watermark.labels(m, "high").set(config.scheduler.kv_cache_high_watermark)
@@ -306,6 +321,14 @@ class PrometheusMetrics:
         self.decode_time.labels(m, lane).observe(max(0.0, last - first))
         if request.num_output_tokens > 1:
             self.tpot.labels(m, lane).observe(max(0.0, (last - first) / (request.num_output_tokens - 1)))
+
+    def record_invalid(self, lane: str, tenant: str, reason: str) -> None:
+        """A request the server refused with a 400 before admission (it never reached the
+        engine): outcome="invalid", reason one of INVALID_REASONS or "other"."""
+        lane = lane if lane in self._lanes else UNKNOWN_LABEL
+        tenant = tenant if tenant in self._tenants else UNKNOWN_LABEL
+        reason = reason if reason in INVALID_REASONS else "other"
+        self.requests.labels(self.model, lane, tenant, "invalid", reason).inc()
 
     def on_config_applied(self, config: object, ok: bool, message: str) -> None:
         if ok and isinstance(config, RuntimeConfig):

@@ -3,10 +3,13 @@
 (Streaming chunks are built as plain dicts in server.py, on the hot path.)
 
 Pydantic models only (no engine logic). Requests accept what OpenAI's API accepts for the
-features we implement; parameters we do not implement (n > 1, best_of, penalties, tools...)
-are refused with a 400 whose `param` names them rather than silently ignored, so a client
-never gets a different answer from the one it asked for. Unknown fields are ignored, as
-OpenAI-compatible servers do.
+features we implement; parameters we do not implement (n > 1, best_of, tools...) are refused
+with a 400 whose `param` names them rather than silently ignored, so a client never gets a
+different answer from the one it asked for. Unknown fields are ignored, as OpenAI-compatible
+servers do.
+
+Types are strict: no bool -> int and no string -> number coercion (`"max_tokens": "3"` and
+`"prompt": [[false]]` are 400s); an integer is accepted where a number is.
 """
 
 from __future__ import annotations
@@ -14,13 +17,24 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 
 INT32_MAX = 2**31 - 1
 # Stop strings are matched on every token's text (cost grows with their length).
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
 
 
 class ParamError(ValueError):
@@ -62,13 +76,26 @@ def error_body(message: str, type: str, code: Optional[str], param: Optional[str
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (the OpenAPI document declares it for each error status)."""
+
+    error: ErrorDetail
+
+
 # --------------------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -76,28 +103,45 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     # 0 or -1 disable top-k (vLLM accepts -1); the engine uses 0. Values past the vocabulary
     # mean "all", but must fit the sampler's integer tensors.
-    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
-    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch generators take
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[Annotated[int, Field(ge=0, le=INT32_MAX)]]] = Field(default=None, max_length=64)
-    ignore_eos: bool = False  # extension: generate exactly max_tokens tokens
-    stream: bool = False
+    top_k: StrictInt = Field(default=0, ge=-1, le=INT32_MAX)
+    seed: Optional[StrictInt] = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch generators take
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stop_token_ids: Optional[list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]]] = Field(default=None, max_length=64)
+    ignore_eos: StrictBool = False  # extension: generate exactly max_tokens tokens
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = Field(default=1, ge=1)
-    priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)  # extension: higher first within its lane
-    user: Optional[str] = None
+    n: StrictInt = Field(default=1, ge=1)
+    priority: StrictInt = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)  # extension: higher first within its lane
+    user: Optional[StrictStr] = None
 
-    # Accepted only at the values that mean "off": anything else is refused (never ignored).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    best_of: Optional[int] = None
-    logit_bias: Optional[dict[str, float]] = None
+    # Logits processors (runtime/sampler.py); they change the pick, not the reported logprobs.
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI, generated tokens
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI, generated tokens
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, allow_inf_nan=False)  # vLLM, prompt + output
+    # Token id (a decimal string, as JSON keys are) -> bias added to its logit, in [-100, 100].
+    logit_bias: Optional[dict[StrictStr, StrictFloat]] = None
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)  # vLLM
+    min_tokens: StrictInt = Field(default=0, ge=0, le=INT32_MAX)  # vLLM: no EOS / stop token id before
+    # Accepted only at the value that means "off": anything else is refused (never ignored).
+    best_of: Optional[StrictInt] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is None:
+            return value
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for {key}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -119,12 +163,6 @@ class _SamplingFields(BaseModel):
             raise ParamError("n", "n > 1 is not supported; send n separate requests")
         if self.best_of not in (None, 1):
             raise ParamError("best_of", "best_of is not supported")
-        if self.presence_penalty:
-            raise ParamError("presence_penalty", "presence_penalty is not supported")
-        if self.frequency_penalty:
-            raise ParamError("frequency_penalty", "frequency_penalty is not supported")
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         return self
@@ -144,13 +182,13 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Prompt
     # 0 is allowed with echo or prompt_logprobs: score the prompt, generate nothing.
-    max_tokens: Optional[int] = Field(default=None, ge=0)
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=0)
     # Legacy logprobs: each token's logprob plus this many most likely tokens (0: none).
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     # vLLM's extension: per prompt token, its logprob and this many most likely tokens.
     prompt_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    suffix: Optional[str] = None
+    suffix: Optional[StrictStr] = None
 
     @field_validator("prompt")
     @classmethod
@@ -186,15 +224,22 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
-    text: str
+    text: StrictStr
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
+    content: Union[StrictStr, list[TextPart], None] = None
+    name: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _content_required(self):
+        # Only an assistant turn may come without content (OpenAI: when it has tool calls).
+        if self.content is None and self.role != "assistant":
+            raise ParamError("messages", f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -208,17 +253,20 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     # Each generated token's logprob, and top_logprobs most likely tokens per position.
     logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _unsupported_chat(self):
         if self.tools:
             raise ParamError("tools", "tools are not supported")
+        if self.tool_choice is not None:
+            raise ParamError("tool_choice", "tool_choice is only allowed with tools, which are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ParamError("response_format", "response_format other than text is not supported")
         if self.top_logprobs and not self.logprobs:
@@ -228,6 +276,45 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a text `prompt` or chat `messages`, not both."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    # Text: the tokenizer's special tokens (BOS), as /v1/completions adds them. Chat: the
+    # template writes its own, so only an explicit true adds more (vLLM's defaults).
+    add_special_tokens: Optional[StrictBool] = None
+    add_generation_prompt: StrictBool = True  # chat only
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    tokens: TokenIds = Field(max_length=1_000_000)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # --------------------------------------------------------------------------- responses

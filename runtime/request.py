@@ -13,7 +13,8 @@ from typing import NamedTuple, Optional
 
 class TokenLogprob(NamedTuple):
     """One token's log-probability under the model's distribution at its position:
-    log_softmax of the raw logits in float32 (before temperature, top-k, top-p)."""
+    log_softmax of the raw logits in float32 (before temperature, top-k, top-p, min-p, the
+    penalties and logit_bias)."""
 
     token_id: int
     logprob: float
@@ -81,6 +82,14 @@ class SamplingParams:
     # Such a request computes its whole prompt: it takes no cached prefix blocks for the
     # positions whose logprobs it still needs (see Request.max_cached_prefix_tokens).
     prompt_logprobs: Optional[int] = None
+    # Logits processors (runtime/sampler.py). They change what is drawn (greedy included),
+    # never the reported logprobs, which stay those of the raw model distribution.
+    presence_penalty: float = 0.0  # OpenAI: minus this once per token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: over prompt + output tokens; 1 = off, > 1 discourages
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens under min_p x the top token's probability; 0 = off
+    min_tokens: int = 0  # EOS and stop_token_ids are not drawn before this many tokens
 
     def __post_init__(self) -> None:
         low = 0 if self.prompt_logprobs is not None else 1
@@ -98,6 +107,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_k < 2**31:
             raise ValueError(f"top_k must be in [0, 2**31) (0 disables it), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for token, value in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             # the range torch.Generator.manual_seed accepts
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
@@ -105,6 +128,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Whether the sampler must change this row's logits before picking (the penalties,
+        logit_bias, min_tokens; min_p applies with the draw)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )
 
 
 @dataclass

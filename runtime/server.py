@@ -37,7 +37,8 @@ import anyio
 import uvicorn
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenlane.runtime.config import (
@@ -47,7 +48,7 @@ from tokenlane.runtime.config import (
     load_config,
 )
 from tokenlane.runtime.config_watch import ConfigWatcher
-from tokenlane.runtime.metrics import CONTENT_TYPE, PrometheusMetrics
+from tokenlane.runtime.metrics import CONTENT_TYPE, PrometheusMetrics, reason_label
 from tokenlane.runtime.protocol import (
     APIError,
     ChatChoice,
@@ -57,8 +58,13 @@ from tokenlane.runtime.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
     error_body,
 )
@@ -69,6 +75,8 @@ from tokenlane.runtime.request import FinishReason, Request, RequestStatus, Samp
 from tokenlane.runtime.router import Caller, authenticate, choose_lane, parse_deadline_ms
 
 log = logging.getLogger("tokenlane.server")
+# One structured line per refused or failed request (see log_refusal).
+request_log = logging.getLogger("tokenlane.requests")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DRAINING_RETRY_AFTER_S = 5.0
@@ -129,11 +137,27 @@ class TextCodec:
             return self.synthetic_text(token_ids)
         return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """/tokenize: a text with or without the tokenizer's special tokens."""
         if self.tokenizer is None:
-            return self._synthetic("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+            return self._synthetic(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode_all(self, token_ids: list[int]) -> str:
+        """/detokenize: the text of the ids, special tokens included (as vLLM does)."""
+        if self.tokenizer is None:
+            return self.synthetic_text(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return self._synthetic(text + ("assistant: " if add_generation_prompt else ""))
         try:
-            return list(tokenizer_lib.apply_chat_template(self.tokenizer, messages, add_generation_prompt=True))
+            return list(tokenizer_lib.apply_chat_template(self.tokenizer, messages,
+                                                          add_generation_prompt=add_generation_prompt,
+                                                          add_special_tokens=add_special_tokens))
         except ValueError as exc:  # e.g. no chat template in the checkpoint
             raise APIError(400, str(exc), code="no_chat_template", param="messages") from None
         except Exception as exc:  # jinja errors raised by the checkpoint's own template
@@ -256,6 +280,74 @@ def _error_of_final(output: Any) -> Optional[APIError]:
                     code="engine_error")
 
 
+def log_refusal(request_id: str, lane: str, tenant: str, status: int, reason: str, message: str = "",
+                *, refused: bool = True) -> None:
+    """The one log line of a refused (never ran) or failed request: a JSON object (also on the
+    record as `record.tokenlane`), so log pipelines can index request id, lane, tenant, status
+    and reason (a bounded identifier, as the metrics' reason label; details in `message`)."""
+    fields = {"event": "request_refused" if refused else "request_failed", "request_id": request_id,
+              "lane": lane, "tenant": tenant, "status": status, "reason": reason}
+    if message:
+        fields["message"] = message[:300]
+    request_log.warning("%s", json.dumps(fields, separators=(",", ":")), extra={"tokenlane": fields})
+
+
+class RequestLog:
+    """EngineObserver: logs (log_refusal) each request the engine refused (admission, draining)
+    or that ended without a normal finish (timeout, error, cancelled by the server). A client
+    that went away is not a refusal or failure, and is not logged here."""
+
+    def on_step(self, stats) -> None:
+        pass
+
+    def on_config_applied(self, config: object, ok: bool, message: str) -> None:
+        pass
+
+    def on_request_finished(self, request: Request) -> None:
+        if request.finish_detail == "client_disconnect":
+            return
+        err = _error_of_final(request)
+        if err is None:
+            return
+        log_refusal(request.request_id, request.lane, request.tenant, err.status, reason_label(request),
+                    err.message, refused=request.finish_reason == FinishReason.REJECTED)
+
+
+GENERATION_PATHS = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+
+
+def _nominal_route(state: "ServerState", headers) -> tuple[str, str]:
+    """(lane, tenant) labels of a request refused before routing: its authenticated tenant
+    ("unknown" if the key is bad) and the lane it asked for in X-Lane, else its tenant's
+    default lane, else the default lane (the lane it would most likely have had)."""
+    config = state.config
+    try:
+        who = authenticate(config, headers)
+    except APIError:
+        return config.default_lane.name, "unknown"
+    names = {lane.name for lane in config.lanes}
+    asked = headers.get("x-lane")
+    if asked in names:
+        return asked, who.tenant
+    if who.default_lane in names:
+        return who.default_lane, who.tenant
+    return config.default_lane.name, who.tenant
+
+
+def _refused_before_admission(state: "ServerState", http: HTTPRequest, exc: APIError,
+                              request_id: Optional[str] = None) -> JSONResponse:
+    """The error response of a request refused before it reached the engine: logged, and a
+    400 on a generation endpoint counted as outcome="invalid"."""
+    prefix = GENERATION_PATHS.get(http.url.path)
+    request_id = request_id or f"{prefix or 'req'}-{uuid.uuid4().hex}"
+    lane, tenant = _nominal_route(state, http.headers)
+    reason = exc.code or "invalid"
+    if exc.status == 400 and prefix is not None:
+        state.metrics.record_invalid(lane, tenant, reason)
+    log_refusal(request_id, lane, tenant, exc.status, reason, exc.message)
+    return _api_error_response(exc, headers={"X-Request-Id": request_id})
+
+
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -312,6 +404,37 @@ class EventStreamResponse(Response):
                 tg.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
                     await self.events.aclose()
+
+
+# --------------------------------------------------------------------------- OpenAPI
+
+
+def _errors(*statuses: int) -> dict[Union[int, str], dict[str, Any]]:
+    """`responses=` entries declaring OpenAI's error body for these statuses."""
+    what = {400: "Invalid request (never 422)", 401: "Missing or unknown API key", 403: "Lane not allowed",
+            404: "Unknown model", 429: "Lane queue full or deadline unmeetable (Retry-After)",
+            500: "Internal error", 503: "KV watermark, draining or engine down (Retry-After)",
+            504: "Queue timeout or deadline passed"}
+    return {status: {"model": ErrorResponse, "description": what[status]} for status in statuses}
+
+
+GENERATION_ERRORS = _errors(400, 401, 403, 404, 429, 500, 503, 504)
+
+
+def _openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, corrected to what the server does: its 422 responses (and their
+    schemas) removed, since every validation error is a 400 in OpenAI's error shape."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    app.openapi_schema = schema
+    return schema
 
 
 # --------------------------------------------------------------------------- the app
@@ -387,6 +510,7 @@ def create_app(
     async def lifespan(app: FastAPI):
         metrics.set_config(engine.config)
         engine.add_observer(metrics)
+        engine.add_observer(RequestLog())
         await async_engine.start()
         if watcher is not None:
             watcher.start()
@@ -400,43 +524,51 @@ def create_app(
 
     app = FastAPI(title="tokenlane", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tokenlane = state
+    app.openapi = lambda: _openapi_document(app)
 
     # ---- errors: always OpenAI's shape, never a 422
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: HTTPRequest, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error_response(400, message, param=param, code="invalid_parameter")
+        return _refused_before_admission(state, request, APIError(400, message, param=param, code="invalid_parameter"))
 
     @app.exception_handler(APIError)
     async def _api_error(request: HTTPRequest, exc: APIError):
-        return _api_error_response(exc)
+        return _refused_before_admission(state, request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: HTTPRequest, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # Starlette could not parse the body (e.g. not UTF-8)
+            return _refused_before_admission(state, request, APIError(
+                400, "request body is not valid JSON (it must be UTF-8)", code="invalid_parameter"))
         return error_response(exc.status_code, str(exc.detail), code=None, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _crash(request: HTTPRequest, exc: Exception):
         log.exception("internal error serving %s", request.url.path)
+        lane, tenant = _nominal_route(state, request.headers)
+        log_refusal(f"req-{uuid.uuid4().hex}", lane, tenant, 500, "internal_error", type(exc).__name__,
+                    refused=False)
         return error_response(500, f"internal server error: {type(exc).__name__}", code="internal_error")
 
     # ---- probes and metrics
 
-    @app.get("/health")
+    @app.get("/health", responses=_errors(503))
     async def health():
         if state.async_engine.healthy:
             return {"status": "ok"}
         return error_response(503, "engine step loop is not running", code="engine_dead")
 
-    @app.get("/ready")
+    @app.get("/ready", responses=_errors(503))
     async def ready():
         if state.draining or not state.async_engine.ready:
             why = "draining" if state.draining or state.async_engine.draining else "not_started"
             return error_response(503, f"not ready: {why}", code=why, retry_after_s=DRAINING_RETRY_AFTER_S)
         return {"status": "ready", "model": state.model_name}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format 0.0.4"}})
     async def prometheus_metrics():
         try:
             metrics.set_occupancy(engine.snapshot())  # fresh gauges even when the engine idles
@@ -451,23 +583,60 @@ def create_app(
     def caller(request: HTTPRequest) -> Caller:
         return authenticate(state.config, request.headers)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models(who: Caller = Depends(caller)):
         card = ModelCard(id=state.model_name, max_model_len=engine.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
     async def model(model_id: str, who: Caller = Depends(caller)):
         if model_id != state.model_name:
             return error_response(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
                                   code="model_not_found", param="model")
         return ModelCard(id=state.model_name, max_model_len=engine.max_model_len).model_dump()
 
-    @app.post("/v1/completions")
+    def check_model(name: Optional[str]) -> None:
+        if name is not None and name != state.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+                           type="not_found_error", code="model_not_found", param="model")
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404))
+    async def tokenize(body: TokenizeRequest, who: Caller = Depends(caller)):
+        """vLLM's /tokenize: the ids the server would compute for this prompt or chat."""
+        check_model(body.model)
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await asyncio.to_thread(state.codec.encode_chat, messages, body.add_generation_prompt,
+                                          bool(body.add_special_tokens))
+        else:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(state.codec.encode_text, body.prompt, add)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump()
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 401, 404))
+    async def detokenize(body: DetokenizeRequest, who: Caller = Depends(caller)):
+        """vLLM's /detokenize: the text of token ids (special tokens kept)."""
+        check_model(body.model)
+        vocab = state.vocab_size
+        if vocab is not None and body.tokens and max(body.tokens) >= vocab:
+            raise APIError(400, f"token id {max(body.tokens)} is out of the vocabulary (size {vocab})",
+                           code="invalid_token_id", param="tokens")
+        text = await asyncio.to_thread(state.codec.decode_all, list(body.tokens))
+        return DetokenizeResponse(prompt=text).model_dump()
+
+    @app.post("/v1/completions", responses={
+        200: {"model": CompletionResponse,
+              "description": "The completion (JSON), or server-sent events with `stream: true`",
+              "content": {"text/event-stream": {}}},
+        **GENERATION_ERRORS})
     async def completions(body: CompletionRequest, request: HTTPRequest, who: Caller = Depends(caller)):
         return await _generate(state, who, body, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={
+        200: {"model": ChatCompletionResponse,
+              "description": "The chat completion (JSON), or server-sent events with `stream: true`",
+              "content": {"text/event-stream": {}}},
+        **GENERATION_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest, who: Caller = Depends(caller)):
         return await _generate(state, who, body, request, chat=True)
 
@@ -532,7 +701,8 @@ def _text_chars(body, chat: bool) -> int:
     return sum(len(p) for p in body.prompts if isinstance(p, str))
 
 
-def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, chat: bool) -> list[_Job]:
+def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, chat: bool,
+                base_id: str) -> list[_Job]:
     """One engine request per prompt (a batch shares the lane, tenant, deadline and body)."""
     config = state.config
     if body.model is not None and body.model != state.model_name:
@@ -554,12 +724,16 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
             if want.echo:
                 text = prompt if isinstance(prompt, str) else state.codec.decode(ids)
             prompts.append((ids, text))
+    logit_bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+    vocab = state.vocab_size
+    if vocab is not None and logit_bias and max(logit_bias) >= vocab:
+        raise APIError(400, f"logit_bias: token id {max(logit_bias)} is out of the vocabulary (size {vocab})",
+                       code="invalid_token_id", param="logit_bias")
     # A batch goes to one lane, chosen by its longest prompt.
     lane = choose_lane(config, caller, http.headers, max(len(ids) for ids, _ in prompts))
     deadline_ms = parse_deadline_ms(http.headers)
     max_len = state.engine.max_model_len
     now = state.engine.clock()
-    base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     jobs = []
     for i, (prompt_ids, text) in enumerate(prompts):
         max_tokens = body.requested_max_tokens if chat else body.max_tokens
@@ -575,6 +749,9 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
                 code="context_length_exceeded",
                 param="max_tokens",
             )
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                           code="invalid_parameter", param="min_tokens")
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
@@ -587,6 +764,12 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
                 ignore_eos=body.ignore_eos,
                 logprobs=want.logprobs,
                 prompt_logprobs=want.engine_prompt_logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=logit_bias,
+                min_p=body.min_p,
+                min_tokens=body.min_tokens,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_parameter") from None
@@ -614,14 +797,15 @@ def _abort_jobs(state: ServerState, jobs: list[_Job], why: str) -> None:
 
 async def _generate(state: ServerState, caller: Caller, body, http: HTTPRequest, chat: bool):
     # While draining, submit() refuses with 503 "draining" (and the engine counts it).
+    base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         if _text_chars(body, chat) > TOKENIZE_INLINE_MAX_CHARS:
             # Long texts are tokenized off the event loop, so other streams are not held up.
-            jobs = await asyncio.to_thread(_build_jobs, state, caller, body, http, chat)
+            jobs = await asyncio.to_thread(_build_jobs, state, caller, body, http, chat, base_id)
         else:
-            jobs = _build_jobs(state, caller, body, http, chat)
+            jobs = _build_jobs(state, caller, body, http, chat, base_id)
     except APIError as exc:
-        return _api_error_response(exc)
+        return _refused_before_admission(state, http, exc, base_id)
     head = jobs[0].request
     routing = {"X-Lane": head.lane, "X-Tenant": head.tenant, "X-Request-Id": head.request_id}
     for job in jobs:
@@ -654,6 +838,7 @@ async def _generate(state: ServerState, caller: Caller, body, http: HTTPRequest,
         raise
     if any(job.first is None for job in jobs):
         _abort_jobs(state, jobs, "server_error")
+        log_refusal(head.request_id, head.lane, head.tenant, 500, "engine_error", "no output", refused=False)
         return error_response(500, "engine closed the request stream without an output", code="engine_error",
                               headers=routing)
     for job in jobs:

@@ -37,7 +37,8 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of a chat conversation rendered by the checkpoint's own template."""
     if not getattr(tokenizer, "chat_template", None):
@@ -48,8 +49,9 @@ def apply_chat_template(
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False
     )
-    # The template writes BOS itself when it wants one; don't add a second.
-    return tokenizer.encode(text, add_special_tokens=False)
+    # The template writes BOS itself when it wants one; don't add a second (unless asked:
+    # /tokenize's add_special_tokens, as vLLM has it).
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

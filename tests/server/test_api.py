@@ -155,9 +155,24 @@ def test_seeded_sampling_and_stop_strings(shared_server, reference):
         ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": "1"}, "presence_penalty"),  # strict: no str -> float
+        ({"prompt": "x", "frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "repetition_penalty": True}, "repetition_penalty"),  # strict: no bool -> float
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"99999": 1.0}}, "logit_bias"),  # past the vocabulary
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"prompt": "x", "max_tokens": "3"}, "max_tokens"),  # strict: no str -> int
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),  # strict: no bool -> int
+        ({"prompt": "x", "temperature": "0.5"}, "temperature"),
+        ({"prompt": "x", "stream": "true"}, "stream"),
+        ({"prompt": "x", "seed": 1.5}, "seed"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "logprobs": True}, "logprobs"),  # strict: no bool -> int

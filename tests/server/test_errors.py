@@ -3,6 +3,8 @@ reject watermark), 504 (queue timeout); each in OpenAI's shape, with Retry-After
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
 
@@ -146,7 +148,7 @@ def test_429_deadline_cannot_be_met(tight):
     assert_error(r, 429, "deadline", retry_after=True)
 
 
-def test_503_at_the_kv_reject_watermark(tight):
+def test_503_at_the_kv_reject_watermark(tight, caplog):
     wait_idle(tight)
     # 300 prompt + 200 output tokens: past 40% of the 64 blocks after ~110 tokens, leaving a
     # window of ~90 decode steps; slow each step down so a loaded machine cannot miss it.
@@ -161,9 +163,15 @@ def test_503_at_the_kv_reject_watermark(tight):
     hog = Hog(tight, prompt_tokens=300, max_tokens=200, headers={**BETA, "X-Lane": "batch"})
     try:
         tight.wait_metric("tokenlane_kv_cache_usage_ratio", lambda v: v >= 0.4)
-        r = httpx.post(tight.url + "/v1/completions", headers=BETA, json={"prompt": [5, 6], "max_tokens": 2})
+        with caplog.at_level(logging.INFO, logger="tokenlane.requests"):
+            r = httpx.post(tight.url + "/v1/completions", headers=BETA, json={"prompt": [5, 6], "max_tokens": 2})
         assert_error(r, 503, "kv_watermark", retry_after=True)
         assert r.json()["error"]["type"] == "service_unavailable_error"
+        # One structured log line, with the request id the client got (issue 13).
+        lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "tokenlane.requests"]
+        (line,) = [x for x in lines if x["request_id"] == r.headers["X-Request-Id"]]
+        assert (line["event"], line["status"], line["reason"]) == ("request_refused", 503, "kv_watermark")
+        assert line["lane"] == r.headers["X-Lane"] and line["tenant"] == r.headers["X-Tenant"]
         assert httpx.get(tight.url + "/health").status_code == 200
     finally:
         hog.close()

@@ -243,7 +243,11 @@ def test_chat_logprobs_streaming_equals_non_streaming(client):
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 3}, "n"),
-        ({"presence_penalty": 1.0}, "presence_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"max_completion_tokens": "2"}, "max_completion_tokens"),
+        ({"messages": [{"role": "user"}]}, "messages"),  # a user message needs content
+        ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ],
 )
 def test_chat_unsupported_or_invalid_is_400_naming_the_field(shared_server, extra, param):
