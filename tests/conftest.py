@@ -31,3 +31,14 @@ def tiny_qwen2_dir(tmp_path_factory):
     from tokenlane.runtime.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (bitwise-stable CPU matmuls against references)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -19,11 +19,8 @@ from tokenlane.runtime.request import Request, SamplingParams
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread(one_torch_thread):  # tests/conftest.py
     yield
-    torch.set_num_threads(threads)
 
 
 def make_executor(path, **engine):

@@ -27,11 +27,8 @@ MAX_DIFF = {"seen": 0.0}  # largest |ours - HF| over the module (printed at the 
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread(one_torch_thread):  # tests/conftest.py
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", autouse=True)

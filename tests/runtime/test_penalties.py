@@ -46,11 +46,8 @@ def run(engine, requests):
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread(one_torch_thread):  # tests/conftest.py
     yield
-    torch.set_num_threads(threads)
 
 
 def hist(prompt, output, eos=None):
