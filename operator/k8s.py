@@ -258,7 +258,9 @@ async def post_event(client: KubeClient, body: Mapping[str, Any], type_: str, re
         return True
     except ApiError as exc:
         meta = body.get("metadata") or {}
-        log.warning("could not post Event %s for %s/%s: %s", reason, meta.get("namespace"), meta.get("name"), exc)
+        # In a namespace being deleted no Event can be created: expected, not worth a warning.
+        log.log(logging.DEBUG if exc.namespace_terminating else logging.WARNING, "could not post Event %s for %s/%s: %s",
+                reason, meta.get("namespace"), meta.get("name"), exc)
         return False
 
 

@@ -113,17 +113,30 @@ class Cluster:
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), timeout=60,
                  what="kube-apiserver to exit")
-        # Detached as up.sh starts it (not our child: down.sh stops it by the pid file).
+        port = self.env["APISERVER_PORT"]
         log = self.home / "run" / "logs" / "kube-apiserver.log"
         command = " ".join(shlex.quote(a.decode()) for a in argv)
-        started = run(["bash", "-c", f"setsid nohup {command} >> {shlex.quote(str(log))} 2>&1 < /dev/null & echo $!"])
-        pid_file.write_text(started.stdout.strip() + "\n")
-        wait_for(lambda: run(["kubectl", "--kubeconfig", self.kubeconfig, "get", "--raw", "/readyz"],
-                             check=False, timeout=20).stdout == "ok", timeout=120, what="kube-apiserver ready again")
+        for _ in range(5):
+            # The killed server's listening socket can outlive it for a moment.
+            wait_for(lambda: not run(["ss", "-Hltn", f"sport = :{port}"], check=False).stdout.strip(), timeout=60,
+                     what=f"port {port} to be free")
+            # Detached as up.sh starts it (not our child: down.sh stops it by the pid file).
+            started = run(["bash", "-c", f"setsid nohup {command} >> {shlex.quote(str(log))} 2>&1 < /dev/null & echo $!"])
+            new_pid = int(started.stdout.strip())
+            pid_file.write_text(f"{new_pid}\n")
+            wait_for(lambda: _apiserver_ready(self.kubeconfig) or not Path(f"/proc/{new_pid}").exists()
+                             or "zombie" in _state(new_pid), timeout=120, what="kube-apiserver ready again")
+            if _apiserver_ready(self.kubeconfig):
+                return
+        raise AssertionError(f"kube-apiserver did not come back (see {log})")
 
     def stop(self) -> None:
         if self.home is not None:
             run(["bash", str(SHARED_K8S / "down.sh"), "--wipe"], env=self.env, timeout=120, check=False)
+
+
+def _apiserver_ready(kubeconfig: str) -> bool:
+    return run(["kubectl", "--kubeconfig", kubeconfig, "get", "--raw", "/readyz"], check=False, timeout=20).stdout == "ok"
 
 
 def _state(pid: int) -> str:
@@ -278,6 +291,14 @@ def operator_args_from(overlay_docs: list[dict]) -> list[str]:
 def kustomize(rel: str) -> list[dict]:
     result = run(["kubectl", "kustomize", str(ROOT / rel)], timeout=60)
     return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def rbac_denials(log: str) -> list[str]:
+    """Log lines where the API server refused the operator by RBAC ("... is forbidden: User
+    "..." cannot ..."); a 403 for a namespace being deleted is not one."""
+    import re
+
+    return [line[:500] for line in log.splitlines() if re.search(r'forbidden: User \\?"', line)]
 
 
 def condition(obj: Optional[dict], type_: str) -> Optional[dict]:

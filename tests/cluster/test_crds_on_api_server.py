@@ -38,7 +38,9 @@ NS = "crd-tests"
 def ns(crds: Cluster):
     crds.kubectl("create", "namespace", NS)
     yield crds
-    crds.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+    # Gone before the next module starts operators that watch every namespace (no operator
+    # has put a finalizer on these objects yet, so this is quick).
+    crds.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=120s", check=False, timeout=150)
 
 
 def test_crds_established_with_client_and_server_side_apply(crds: Cluster):
