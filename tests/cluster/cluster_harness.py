@@ -15,10 +15,10 @@ developer's own `up.sh` cluster keeps running) and are overridable for parallel 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -291,6 +291,25 @@ def operator_args_from(overlay_docs: list[dict]) -> list[str]:
 def kustomize(rel: str) -> list[dict]:
     result = run(["kubectl", "kustomize", str(ROOT / rel)], timeout=60)
     return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+@contextlib.contextmanager
+def kubelet_standin(cluster: Cluster, namespace: str, selector: str, configmap: str, mounted: Path):
+    """../shared/k8s/kubelet-standin.sh while the block runs: marks the pods matching `selector`
+    Ready (podIP 127.0.0.1) and keeps `mounted` equal to the ConfigMap's runtime.yaml, as a
+    mounted volume would. Yields False where there is no stand-in (a real cluster's kubelet)."""
+    standin = SHARED_K8S / "kubelet-standin.sh"
+    if not standin.exists():
+        yield False
+        return
+    proc = subprocess.Popen(["bash", str(standin), namespace, selector, configmap, "runtime.yaml", str(mounted), "0.5"],
+                            env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield True
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 def rbac_denials(log: str) -> list[str]:

@@ -10,7 +10,6 @@ The tests of this module run in order and share one installation (module fixture
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from cluster_harness import (
     Cluster,
     OperatorProcess,
     condition,
+    kubelet_standin,
     kustomize,
     now_stamp,
     operator_args_from,
@@ -223,17 +223,11 @@ def test_operator_cannot_read_secrets(operator: Run, workdir: Path):
 def kubelet(samples: Cluster, workdir: Path):
     """../shared/k8s/kubelet-standin.sh marks tiny's pods Ready (the Deployment status changes)
     and keeps a local file equal to the ConfigMap, as a mounted volume would."""
-    standin = SHARED_K8S / "kubelet-standin.sh"
-    if not standin.exists():
-        pytest.skip("no kubelet stand-in (../shared/k8s); on a real cluster pods become ready by themselves")
     config_file = workdir / "mounted" / "runtime.yaml"
-    proc = subprocess.Popen(["bash", str(standin), WORKLOAD_NS, "app.kubernetes.io/instance=tiny", "tiny-config",
-                             "runtime.yaml", str(config_file), "0.5"],
-                            env={**os.environ, "KUBECONFIG": samples.kubeconfig},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    yield config_file
-    os.killpg(proc.pid, 15)
-    proc.wait(timeout=30)
+    with kubelet_standin(samples, WORKLOAD_NS, "app.kubernetes.io/instance=tiny", "tiny-config", config_file) as on:
+        if not on:
+            pytest.skip("no kubelet stand-in (../shared/k8s); on a real cluster pods become ready by themselves")
+        yield config_file
 
 
 def test_zero_writes_to_owned_objects_while_the_deployment_status_changes(samples: Cluster, operator: Run, kubelet):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_harness import ROOT, SHARED_K8S, Cluster, condition, rbac_denials, wait_for
+from cluster_harness import ROOT, Cluster, condition, kubelet_standin, rbac_denials, wait_for
 
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 
@@ -90,17 +90,9 @@ def test_every_command_of_the_page_is_run_or_skipped_for_a_reason():
 @pytest.fixture
 def stand_in(crds: Cluster, tmp_path: Path):
     """The kubelet's part for tiny's pods (Ready, podIP 127.0.0.1)."""
-    standin = SHARED_K8S / "kubelet-standin.sh"
-    if not standin.exists():
-        yield None  # a real cluster's kubelet does it
-        return
-    proc = subprocess.Popen(["bash", str(standin), "tokenlane", "app.kubernetes.io/instance=tiny", "tiny-config",
-                             "runtime.yaml", str(tmp_path / "runtime.yaml"), "0.5"],
-                            env={**os.environ, "KUBECONFIG": crds.kubeconfig},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    yield proc
-    os.killpg(proc.pid, 15)
-    proc.wait(timeout=30)
+    with kubelet_standin(crds, "tokenlane", "app.kubernetes.io/instance=tiny", "tiny-config",
+                         tmp_path / "runtime.yaml"):
+        yield
 
 
 def test_the_quickstart_verbatim(crds: Cluster, stand_in, tmp_path: Path):
