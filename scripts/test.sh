@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): installs everything, then runs the suite.
-# Slow sweeps (-m slow) and the real-cluster suite (-m e2e, needs KUBECONFIG) are opt-in:
-#   scripts/test.sh -m slow      scripts/test.sh -m e2e
+# Slow sweeps (-m slow), the real-cluster suite (-m e2e, needs KUBECONFIG) and the container
+# images tier (-m images: builds both images with buildah, 10-20 min; see docs/operations.md)
+# are opt-in:
+#   scripts/test.sh -m slow      scripts/test.sh -m e2e      scripts/test.sh -m images
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --system
 export TOKENLANE_TEST_TORCH_THREADS=${TOKENLANE_TEST_TORCH_THREADS:-2}
 if [[ $# -eq 0 ]]; then
-  set -- -m "not slow and not e2e and not gpu"
+  set -- -m "not slow and not e2e and not gpu and not images"
 fi
 exec .venv/bin/python -m pytest "$@"
