@@ -1,0 +1,204 @@
+"""The autoscaler's decision function: table-driven cases and hypothesis properties
+(bounds, hold on missing data, no flapping, monotone in load)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenlane.operator.autoscaler import (
+    DOWN,
+    HOLD,
+    UP,
+    AutoscalingPolicy,
+    FleetSample,
+    LaneSample,
+    LaneScalingTarget,
+    Recommendation,
+    decide,
+    scale_down_limit,
+    scale_up_limit,
+)
+
+POLICY = AutoscalingPolicy(
+    min_replicas=2,
+    max_replicas=20,
+    lanes=(LaneScalingTarget("interactive", queue_delay_p95_s=0.5, slo_attainment=0.95),
+           LaneScalingTarget("batch", queue_delay_p95_s=30.0)),
+    kv_usage_target=0.75,
+    scale_up_stabilization_s=0.0,
+    scale_down_stabilization_s=300.0,
+)
+NOW = 10_000.0
+
+
+def sample(queue_delay=0.1, attainment=0.99, kv=0.5, rate=10.0, at=NOW, batch_delay=1.0) -> FleetSample:
+    return FleetSample(at=at, window_s=60.0, kv_usage=kv, lanes={
+        "interactive": LaneSample(request_rate=rate, queue_delay_p95_s=queue_delay, slo_attainment=attainment),
+        "batch": LaneSample(request_rate=rate, queue_delay_p95_s=batch_delay),
+    })
+
+
+def covered(replicas: int, policy: AutoscalingPolicy = POLICY) -> tuple[Recommendation, ...]:
+    """A history whose every recommendation over the scale-down window (and before) is `replicas`."""
+    step = 15.0
+    n = int(policy.scale_down_stabilization_s / step) + 2
+    return tuple(Recommendation(NOW - step * i, replicas) for i in range(n, 0, -1))
+
+
+# --------------------------------------------------------------------------- table
+
+
+@pytest.mark.parametrize("name, current, the_sample, history, desired, action, says", [
+    ("metrics unavailable: hold", 5, FleetSample.unavailable(NOW, "prometheus down"), (), 5, HOLD, "unavailable"),
+    ("no sample yet: hold", 5, None, (), 5, HOLD, "no metrics"),
+    ("stale sample: hold", 5, sample(queue_delay=9.0, at=NOW - 600), (), 5, HOLD, "stale"),
+    ("thin lanes and no KV: hold", 5,
+     FleetSample(at=NOW, window_s=60, lanes={"interactive": LaneSample(0.1, 9.0, 0.1)}), (), 5, HOLD, "too few"),
+    ("on target: hold", 5, sample(queue_delay=0.4, kv=0.7), (), 5, HOLD, "tolerance"),
+    ("queue delay x2: scale up in proportion", 3, sample(queue_delay=1.0), (), 6, UP, "queue delay"),
+    ("queue delay x100: one step at most", 3, sample(queue_delay=50.0), (), scale_up_limit(3), UP, "limited"),
+    ("SLO attainment 80% vs 95%: scale up", 4, sample(attainment=0.80), (), 8, UP, "attainment"),
+    ("KV 90% vs 75%: scale up by one", 5, sample(kv=0.9), (), 6, UP, "KV usage"),
+    ("overload at max: stays at max", 20, sample(queue_delay=5.0), (), 20, HOLD, "queue delay"),
+    ("low load, no window yet: hold", 10, sample(kv=0.15, queue_delay=0.01), (), 10, HOLD, "waits"),
+    ("low load for the whole window: scale down", 8, sample(kv=0.3, queue_delay=0.01), covered(4), 4, DOWN,
+     "scale down"),
+    ("low load but one high recommendation in the window: hold", 10, sample(kv=0.3, queue_delay=0.01),
+     covered(4)[:-3] + (Recommendation(NOW - 20, 12),) + covered(4)[-2:], 10, HOLD, "recommendation of 12"),
+    ("idle fleet: down to min after the window", 3, sample(kv=0.0, queue_delay=0.0, rate=0.0), covered(2), 2,
+     DOWN, "scale down"),
+    ("scale-down halves at most", 16, sample(kv=0.05, queue_delay=0.0), covered(2), 8, DOWN, "scale down"),
+    ("latency not comfortable: no scale-down", 10, sample(kv=0.1, queue_delay=0.4), covered(2), 10, HOLD,
+     "tolerance"),
+    ("current above max: clamped", 30, sample(), (), 20, DOWN, "outside"),
+    ("current below min with missing data: clamped", 1, None, (), 2, UP, "outside"),
+])
+def test_decisions(name, current, the_sample, history, desired, action, says):
+    decision = decide(POLICY, current, the_sample, history, NOW)
+    assert (decision.desired, decision.action) == (desired, action), decision.reason
+    assert says in decision.reason, decision.reason
+    assert decision.history[-1] == Recommendation(NOW, decision.recommendation)
+
+
+def test_scale_up_stabilization_needs_a_sustained_violation():
+    policy = AutoscalingPolicy(min_replicas=1, max_replicas=10, lanes=POLICY.lanes, scale_up_stabilization_s=60)
+    quiet = tuple(Recommendation(NOW - t, 3) for t in (90, 75, 60, 45, 30, 15))
+    burst = decide(policy, 3, sample(queue_delay=2.0), quiet, NOW)
+    assert burst.desired == 3 and "sustained" in burst.reason
+    loud = tuple(Recommendation(NOW - t, 9) for t in (45, 30, 15))
+    sustained = decide(policy, 3, sample(queue_delay=2.0), quiet[:3] + loud, NOW)
+    assert sustained.desired == scale_up_limit(3)
+
+
+def test_history_round_trips_and_is_pruned_to_the_window():
+    history = covered(4) + tuple(Recommendation(NOW - 5000 - i, 9) for i in range(50))
+    decision = decide(POLICY, 10, sample(kv=0.3, queue_delay=0.01), history, NOW)
+    assert len([r for r in decision.history if r.at <= NOW - 300]) == 1  # the coverage witness only
+    assert tuple(Recommendation.from_dict(r.to_dict()) for r in decision.history) == decision.history
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"min_replicas": 0, "max_replicas": 3}, "scale from zero"),
+    ({"min_replicas": 4, "max_replicas": 3}, "maxReplicas"),
+    ({"min_replicas": 1, "max_replicas": 3, "kv_usage_target": 1.5}, "kvUsage"),
+    ({"min_replicas": 1, "max_replicas": 3, "lanes": (LaneScalingTarget("a"), LaneScalingTarget("a"))}, "duplicate"),
+])
+def test_policy_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AutoscalingPolicy(**kwargs)
+
+
+def test_lane_target_validation():
+    with pytest.raises(ValueError, match="sloAttainment"):
+        LaneScalingTarget("a", slo_attainment=1.0)
+    with pytest.raises(ValueError, match="queueDelayP95"):
+        LaneScalingTarget("a", queue_delay_p95_s=0)
+
+
+# --------------------------------------------------------------------------- properties
+
+policies = st.builds(
+    lambda lo, span, up, down: AutoscalingPolicy(min_replicas=lo, max_replicas=lo + span, lanes=POLICY.lanes,
+                                                 scale_up_stabilization_s=up, scale_down_stabilization_s=down),
+    st.integers(1, 5), st.integers(0, 30), st.sampled_from([0.0, 30.0, 60.0]), st.sampled_from([0.0, 120.0, 300.0]),
+)
+lane_samples = st.builds(LaneSample, request_rate=st.floats(0, 50),
+                         queue_delay_p95_s=st.one_of(st.none(), st.floats(0, 100)),
+                         slo_attainment=st.one_of(st.none(), st.floats(0, 1)))
+fleet_samples = st.one_of(
+    st.none(),
+    st.builds(FleetSample.unavailable, st.just(NOW), st.just("down")),
+    st.builds(FleetSample, at=st.floats(NOW - 300, NOW), window_s=st.just(60.0),
+              lanes=st.fixed_dictionaries({"interactive": lane_samples, "batch": lane_samples}),
+              kv_usage=st.one_of(st.none(), st.floats(0, 1))),
+)
+histories = st.lists(st.builds(Recommendation, at=st.floats(NOW - 1000, NOW), replicas=st.integers(0, 60)),
+                     max_size=40).map(lambda h: tuple(sorted(h, key=lambda r: r.at)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(policy=policies, current=st.integers(0, 60), the_sample=fleet_samples, history=histories)
+def test_always_within_bounds_and_steps(policy, current, the_sample, history):
+    decision = decide(policy, current, the_sample, history, NOW)
+    assert policy.min_replicas <= decision.desired <= policy.max_replicas
+    if policy.min_replicas <= current <= policy.max_replicas:
+        assert decision.desired <= max(current, scale_up_limit(current))
+        assert decision.desired >= min(current, scale_down_limit(current))
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=policies, current=st.integers(1, 40), history=histories,
+       the_sample=st.one_of(st.none(), st.builds(FleetSample.unavailable, st.just(NOW), st.text(max_size=5)),
+                            st.builds(FleetSample, at=st.floats(NOW - 5000, NOW - 121), window_s=st.just(60.0),
+                                      kv_usage=st.floats(0, 1))))
+def test_holds_on_missing_or_stale_data(policy, current, history, the_sample):
+    decision = decide(policy, current, the_sample, history, NOW)
+    assert decision.desired == policy.clamp(current)
+    assert decision.history[-1] == Recommendation(NOW, policy.clamp(current))  # blocks a scale-down for a window
+
+
+@settings(max_examples=100, deadline=None)
+@given(policy=policies, start=st.integers(2, 20), period=st.integers(2, 6), high_kv=st.floats(0.9, 1.0),
+       low_kv=st.floats(0.0, 0.3))
+def test_no_flapping_under_oscillating_load(policy, start, period, high_kv, low_kv):
+    """Load alternating between overload and idle, every `period` decisions (15 s apart) -- a
+    cycle shorter than the scale-down window: once scaled up, never scaled down."""
+    policy = AutoscalingPolicy(min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
+                               lanes=policy.lanes, scale_down_stabilization_s=300.0)
+    current, history, directions = policy.clamp(start), (), []
+    for i in range(80):
+        t = NOW + 15.0 * i
+        busy = (i // period) % 2 == 0
+        s = sample(queue_delay=2.0 if busy else 0.0, kv=high_kv if busy else low_kv, at=t)
+        decision = decide(policy, current, s, history, t)
+        if decision.desired != current:
+            directions.append(decision.action)
+        current, history = decision.desired, decision.history
+    assert DOWN not in directions, directions
+
+
+load_levels = st.tuples(st.floats(0, 10), st.floats(0, 1), st.floats(0, 1))  # queue delay, 1 - attainment, kv
+
+
+@settings(max_examples=300, deadline=None)
+@given(policy=policies, current=st.integers(1, 30), history=histories, a=load_levels, b=load_levels)
+def test_monotone_in_load(policy, current, history, a, b):
+    """More load on every signal never gives fewer replicas (same history, same time)."""
+    low = tuple(min(x, y) for x, y in zip(a, b))
+    high = tuple(max(x, y) for x, y in zip(a, b))
+
+    def desired(level) -> int:
+        delay, misses, kv = level
+        return decide(policy, current, sample(queue_delay=delay, attainment=1 - misses, kv=kv), history, NOW).desired
+
+    assert desired(low) <= desired(high)
+
+
+def test_proportional_scale_up_rounds_up():
+    # queue delay 1.25 x target on 8 replicas -> ceil(10) = 10
+    decision = decide(POLICY, 8, sample(queue_delay=0.625), (), NOW)
+    assert decision.desired == math.ceil(8 * 1.25)
