@@ -12,8 +12,10 @@ import sys
 # subcommand -> (module exposing `main(argv: list[str]) -> int | None`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tokenlane.runtime.server", "start the OpenAI-compatible runtime server"),
+    "router": ("tokenlane.runtime.fleet_router", "route requests across replicas by lane, load and prefix"),
     "operator": ("tokenlane.operator.main", "run the Kubernetes operator (kopf)"),
     "render": ("tokenlane.operator.render", "print the objects the operator would create"),
+    "check": ("tokenlane.operator.check", "lint a runtime.yaml or ModelService/ServingLanes for going live"),
     "bench": ("tokenlane.runtime.bench.cli", "load generator, simulator and report"),
     "demo": ("tokenlane.runtime.bench.demo", "the embedded demo: tiny model, three lanes"),
     "make-tiny-model": ("tokenlane.runtime.tiny_model", "write a small random-weight checkpoint"),

@@ -13,7 +13,7 @@ bf16, 16-token pages scattered over the cache):
 4. prefill timings against dense causal SDPA;
 5. mixed prefill + decode batches against the sum of their parts.
 
-Targets (issue 3): decode >= 85% of copy bandwidth at batch >= 32 and context >= 4k, faster
+Targets: decode >= 85% of copy bandwidth at batch >= 32 and context >= 4k, faster
 than dense SDPA; mixed within 1.3x of its parts. Prints a table and writes JSON.
 """
 

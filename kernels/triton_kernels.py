@@ -1,6 +1,6 @@
 """Triton kernels for the paged KV cache: the KV write and one unified paged attention.
 
-Layout (DESIGN.md §5): K and V caches are `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Layout: K and V caches are `[num_blocks, block_size, num_kv_heads, head_dim]`.
 The last dimension of every tensor must be contiguous; the other strides are passed to the
 kernels, so views (a slice of a bigger cache, a transposed batch) work without copies.
 

@@ -16,16 +16,16 @@ updates it in place and the runtime reloads budgets without a restart. The pod t
 carries only `tokenlane.dev/restart-hash` = RuntimeConfig.restart_hash() (model + engine
 fields), so budget changes never roll the pods while model/engine changes do.
 
-Tuning hook (issue 7): `Overrides` carries the tuner's / rollout guard's values
+Tuning hook: `Overrides` carries the tuner's / rollout guard's values
 (`scheduler` keys, `lanes[laneName]` budget keys, `engine` keys such as continuousBatching)
 layered over the spec. The operator reads them from ModelService `status.overrides`
 (`Overrides.from_status`), so a tuner writes status.overrides and triggers a reconcile; the
 rendered result is reported as `status.effectiveBudgets` (`Desired.effective_budgets`).
+Runtime configs are built only through `RuntimeConfig.from_dict`, with its type checks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import posixpath
@@ -33,17 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from tokenlane.operator.model import API_VERSION, ModelService, ServingLane, lane_sort_key
-from tokenlane.runtime.config import (
-    EngineConfig,
-    LaneConfig,
-    LaneMatch,
-    ModelConfig,
-    RuntimeConfig,
-    SchedulerConfig,
-    SLOConfig,
-    TenantConfig,
-    dumps_config,
-)
+from tokenlane.runtime.config import LANE_KNOBS, RuntimeConfig, dumps_config
 
 FIELD_MANAGER = "tokenlane-operator"
 MANAGED_BY = "tokenlane-operator"
@@ -65,8 +55,7 @@ CONFIG_FILE = "runtime.yaml"
 MODELS_DIR = "/models"
 RUN_AS_USER = 10001  # the image's non-root user (manifests/images)
 
-LANE_BUDGET_KEYS = ("maxActiveSequences", "maxBatchedTokens", "prefillChunkSize", "maxWaitingRequests",
-                    "queueTimeoutMs")
+LANE_BUDGET_KEYS = tuple(k.key for k in LANE_KNOBS)  # a ServingLane's spec.budgets, status.overrides.lanes
 
 
 # --------------------------------------------------------------------------- inputs / outputs
@@ -85,9 +74,6 @@ class Overrides:
         raw = (status or {}).get("overrides") or {}
         return cls(scheduler=dict(raw.get("scheduler") or {}), lanes={k: dict(v) for k, v in (raw.get("lanes") or {}).items()},
                    engine=dict(raw.get("engine") or {}))
-
-    def is_empty(self) -> bool:
-        return not (self.scheduler or self.lanes or self.engine)
 
 
 @dataclass
@@ -118,47 +104,27 @@ class Desired:
 # --------------------------------------------------------------------------- runtime config
 
 
-def _sub(mapping: Mapping[str, Any], keys: tuple) -> dict:
-    return {k: mapping[k] for k in keys if k in mapping}
-
-
-def _snake(name: str) -> str:
-    return "".join("_" + c.lower() if c.isupper() else c for c in name)
-
-
-def _dataclass_from_camel(cls: type, data: Mapping[str, Any]) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        attr = "lane_class" if key == "class" else _snake(key)
-        if attr not in names:
-            raise ValueError(f"{cls.__name__}: unknown key {key!r}")
-        kwargs[attr] = value
-    return cls(**kwargs)
-
-
-def lane_config(lane: ServingLane, overrides: Overrides, *, dedicated_pool: bool = False) -> LaneConfig:
+def _lane_dict(lane: ServingLane, overrides: Overrides, *, dedicated_pool: bool) -> dict[str, Any]:
+    """One `lanes[]` entry of runtime.yaml: the lane's spec with its tuned budgets over it."""
     spec = lane.spec
-    caps = dict(spec.get("budgets") or {})
-    caps.update(overrides.lanes.get(lane.lane_name, {}))
+    caps = {**(spec.get("budgets") or {}), **overrides.lanes.get(lane.lane_name, {})}
     unknown = sorted(set(caps) - set(LANE_BUDGET_KEYS))
     if unknown:
         raise ValueError(f"lane {lane.lane_name}: unknown budget key(s) {unknown}")
-    match = spec.get("match") or {}
-    return LaneConfig(
-        name=lane.lane_name,
-        lane_class=spec["class"],
-        priority=spec["priority"],
-        weight=float(spec["weight"]),
+    return {
+        "name": lane.lane_name,
+        "class": spec["class"],
+        "priority": spec["priority"],
+        "weight": spec["weight"],
         # A dedicated pool serves exactly this lane: everything it receives lands here.
-        default=True if dedicated_pool else bool(spec.get("default")),
-        **{_snake(k): v for k, v in caps.items()},
-        slo=_dataclass_from_camel(SLOConfig, spec.get("slo") or {}),
-        match=LaneMatch() if dedicated_pool else _dataclass_from_camel(LaneMatch, match),
-    )
+        "default": True if dedicated_pool else bool(spec.get("default")),
+        **caps,
+        "slo": spec.get("slo") or {},
+        "match": {} if dedicated_pool else spec.get("match") or {},
+    }
 
 
-def _tenants_for(msvc: ModelService, pool_lanes: list[str]) -> list[TenantConfig]:
+def _tenant_dicts(msvc: ModelService, pool_lanes: list[str]) -> list[dict[str, Any]]:
     """Tenants restricted to the lanes a pool serves (a tenant allowed none of them is left out)."""
     out = []
     for t in msvc.spec.get("tenants") or []:
@@ -168,8 +134,9 @@ def _tenants_for(msvc: ModelService, pool_lanes: list[str]) -> list[TenantConfig
         default_lane = t.get("defaultLane")
         if default_lane not in pool_lanes or (allowed and default_lane not in allowed):
             default_lane = None
-        out.append(TenantConfig(name=t["name"], api_key_sha256=t.get("apiKeySha256"), default_lane=default_lane,
-                                lanes=allowed))
+        tenant = {"name": t["name"], "apiKeySha256": t.get("apiKeySha256"), "defaultLane": default_lane,
+                  "lanes": allowed}
+        out.append({k: v for k, v in tenant.items() if v is not None})
     return out
 
 
@@ -177,22 +144,16 @@ def runtime_config(msvc: ModelService, lanes: list[ServingLane], overrides: Over
                    dedicated_pool: bool = False) -> RuntimeConfig:
     """The RuntimeConfig of one pool; raises ValueError (ConfigError) when the combination is invalid."""
     spec = msvc.spec
-    model = spec["model"]
-    engine = dict(spec["engine"])
-    engine.update(overrides.engine)
-    scheduler = dict(spec["scheduler"])
-    scheduler.update(overrides.scheduler)
-    lane_configs = [lane_config(lane, overrides, dedicated_pool=dedicated_pool)
-                    for lane in sorted(lanes, key=lambda l: (-l.spec["priority"], l.lane_name))]
-    names = [lc.name for lc in lane_configs]
-    return RuntimeConfig(
-        model=ModelConfig(path=model["path"], served_name=model.get("servedName"), dtype=model["dtype"],
-                          max_model_len=model.get("maxModelLen"), tokenizer=model.get("tokenizer")),
-        engine=_dataclass_from_camel(EngineConfig, engine),
-        scheduler=_dataclass_from_camel(SchedulerConfig, scheduler),
-        lanes=lane_configs,
-        tenants=_tenants_for(msvc, names),
-    )
+    lane_dicts = [_lane_dict(lane, overrides, dedicated_pool=dedicated_pool)
+                  for lane in sorted(lanes, key=lambda l: (-l.spec["priority"], l.lane_name))]
+    return RuntimeConfig.from_dict({
+        # `source` says where the operator mounts the weights from: not a runtime key.
+        "model": {k: v for k, v in spec["model"].items() if k != "source"},
+        "engine": {**spec["engine"], **overrides.engine},
+        "scheduler": {**spec["scheduler"], **overrides.scheduler},
+        "lanes": lane_dicts,
+        "tenants": _tenant_dicts(msvc, [lane["name"] for lane in lane_dicts]),
+    })
 
 
 def admit_lanes(msvc: ModelService, lanes: list[ServingLane], overrides: Overrides
@@ -467,11 +428,8 @@ def effective_budgets(pools: list[Pool]) -> dict[str, Any]:
     out["scheduler"] = {k: v for k, v in shared.config.to_dict()["scheduler"].items()}
     for pool in pools:
         for name in pool.lanes:
-            b = pool.config.lane_budgets(name)
-            out["lanes"][name] = {"pool": pool.name, **{
-                "maxActiveSequences": b.max_active_sequences, "maxBatchedTokens": b.max_batched_tokens,
-                "prefillChunkSize": b.prefill_chunk_size, "maxWaitingRequests": b.max_waiting_requests,
-                "queueTimeoutMs": b.queue_timeout_ms}}
+            budgets = pool.config.lane_budgets(name)
+            out["lanes"][name] = {"pool": pool.name, **{k.key: getattr(budgets, k.attr) for k in LANE_KNOBS}}
     return out
 
 

@@ -16,15 +16,15 @@ Errors: an invalid spec -> status conditions + a Warning Event + `kopf.Permanent
 retry until the spec changes); API trouble (409, 429, 5xx, no connection) ->
 `kopf.TemporaryError(delay=...)`. The operator never writes spec.
 
-Tuning hook (issue 7): a tuner writes ModelService `status.overrides` and then awaits
+Tuning hook: a tuner writes ModelService `status.overrides` and then awaits
 `reconcile_model_service(op, namespace, name)` (or waits for the 60 s timer); it should hold
 `op.lock_for(namespace, name)` only around its own status writes, not around the call.
+The budget path end to end: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,9 +32,9 @@ from typing import Any, Callable, Optional
 
 import kopf
 
-from tokenlane.operator import builders, k8s, metrics, planner
+from tokenlane.operator import builders, k8s, last_known_good, metrics, planner, reads
 from tokenlane.operator import status as status_mod
-from tokenlane.operator.model import ModelService, ServingLane, parse_model_service, parse_serving_lane
+from tokenlane.operator.model import parse_model_service, parse_serving_lane
 
 log = logging.getLogger("tokenlane.operator")
 
@@ -42,10 +42,6 @@ GROUP, VERSION = "tokenlane.dev", "v1alpha1"
 RETRY_DELAY_S = 10.0
 TIMER_INTERVAL_S = 60.0
 SERVICE_MONITOR_CHECK_S = 300.0
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 @dataclass
@@ -78,12 +74,6 @@ class Operator:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-async def _event(op: Operator, body: dict, type_: str, reason: str, message: str) -> None:
-    """One Event helper for handlers and the tuner (k8s.post_event): uniquely named Events work
-    outside kopf's handler context too (timers, the tuner, direct calls)."""
-    await k8s.post_event(op.client, body, type_, reason, message)
 
 
 async def _write_status(op: Operator, res: k8s.Resource, body: dict, wanted: dict, clear: tuple = ()) -> bool:
@@ -132,38 +122,23 @@ async def reconcile_model_service(op: Operator, namespace: str, name: str) -> Op
         return result
 
 
-async def _list_lanes(op: Operator, namespace: str, parent: str) -> tuple[list[ServingLane], list[dict]]:
-    """Valid lanes of `parent` and the raw bodies of all lanes naming it."""
-    bodies = [b for b in await op.client.list(k8s.SERVING_LANES, namespace)
-              if ((b.get("spec") or {}).get("modelServiceRef") or {}).get("name") == parent]
-    lanes = []
-    for body in bodies:
-        try:
-            lanes.append(parse_serving_lane(body))
-        except ValueError:
-            continue  # its own handler reports it
-    return lanes, bodies
-
-
 async def _mark_orphans(op: Operator, namespace: str, parent: str) -> None:
-    lanes, bodies = await _list_lanes(op, namespace, parent)
+    lanes, bodies = await reads.list_lanes(op.client, namespace, parent)
     by_name = {b["metadata"]["name"]: b for b in bodies}
     for lane in lanes:
         if lane.deleting:
             continue
-        wanted = status_mod.lane_status(lane, None, None, {}, _now())
+        wanted = status_mod.lane_status(lane, None, None, {}, k8s.timestamp())
         if await _write_status(op, k8s.SERVING_LANES, by_name[lane.ref.name], wanted, status_mod.LANE_KEYS):
-            await _event(op, by_name[lane.ref.name], "Warning", "ModelServiceNotFound",
-                   f"ModelService {parent!r} not found; the lane is served once it exists")
+            await k8s.post_event(op.client, by_name[lane.ref.name], "Warning", "ModelServiceNotFound",
+                                 f"ModelService {parent!r} not found; the lane is served once it exists")
 
 
 async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builders.Desired]:
-    body = await op.client.get(k8s.MODEL_SERVICES, namespace, name)
+    body = await reads.model_service_body(op.client, namespace, name)
     if body is None:
         await _mark_orphans(op, namespace, name)
         return None
-    body.setdefault("apiVersion", k8s.MODEL_SERVICES.api_version)
-    body.setdefault("kind", "ModelService")
     if (body.get("metadata") or {}).get("deletionTimestamp"):
         return None
     generation = int(body["metadata"].get("generation") or 0)
@@ -173,13 +148,11 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
         await _reject(op, k8s.MODEL_SERVICES, body, generation, str(exc))
         raise InvalidSpec(str(exc)) from None
 
-    lanes, lane_bodies = await _list_lanes(op, namespace, name)
+    lanes, lane_bodies = await reads.list_lanes(op.client, namespace, name)
     overrides = builders.Overrides.from_status(msvc.status)
-    # Issue 7: while a rollback (or the fallback) is in force, the rollout guard's
-    # last-known-good inputs are rendered instead of the spec (the spec itself is untouched).
-    from tokenlane.operator import tuning
-
-    msvc, lanes = await tuning.inputs_in_force(op, msvc, lanes)
+    # While a rollback (or the fallback) is in force, the rollout guard's last-known-good
+    # inputs are rendered instead of the spec (the spec itself is untouched).
+    msvc, lanes = await last_known_good.inputs_in_force(op.client, msvc, lanes)
     try:
         desired = builders.build(msvc, lanes, overrides=overrides,
                                  service_monitor_available=await op.service_monitor_available())
@@ -203,7 +176,7 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
     current.update(results)
     deployments = {key[3]: obj for key, obj in current.items() if key[1] == "Deployment"}
 
-    now = _now()
+    now = k8s.timestamp()
     wanted = status_mod.model_service_status(msvc, desired, deployments, now)
     await _write_status(op, k8s.MODEL_SERVICES, body, wanted)
 
@@ -217,18 +190,18 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
         wanted_lane = status_mod.lane_status(lane, msvc, desired, deployments, now)
         changed = await _write_status(op, k8s.SERVING_LANES, lane_body, wanted_lane, status_mod.LANE_KEYS)
         if changed and lane.ref.name in desired.rejected:
-            await _event(op, lane_body, "Warning", "Rejected", desired.rejected[lane.ref.name])
+            await k8s.post_event(op.client, lane_body, "Warning", "Rejected", desired.rejected[lane.ref.name])
     if actions:
         summary = ", ".join(f"{a.verb} {a.key[1]}/{a.key[3]}" for a in actions)
         log.info("reconciled ModelService %s/%s: %s", namespace, name, summary)
-        await _event(op, body, "Normal", "Reconciled", summary)
+        await k8s.post_event(op.client, body, "Normal", "Reconciled", summary)
     return desired
 
 
 async def _reject(op: Operator, res: k8s.Resource, body: dict, generation: int, message: str) -> None:
-    wanted = status_mod.invalid_status(body.get("status") or {}, generation, message, _now())
+    wanted = status_mod.invalid_status(body.get("status") or {}, generation, message, k8s.timestamp())
     if await _write_status(op, res, body, wanted):
-        await _event(op, body, "Warning", "InvalidSpec", message)
+        await k8s.post_event(op.client, body, "Warning", "InvalidSpec", message)
 
 
 async def delete_owned(op: Operator, namespace: str, name: str) -> list[planner.Action]:

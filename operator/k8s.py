@@ -14,16 +14,18 @@ Where apply answers 404 (the kmock emulator has no create-by-apply) the object i
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
 import aiohttp
 
 from tokenlane.operator.builders import FIELD_MANAGER, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
-from tokenlane.operator.planner import Action, Key, key_of
+from tokenlane.operator.planner import Action, Key
 
 log = logging.getLogger("tokenlane.operator.k8s")
 
@@ -226,16 +228,19 @@ class KubeClient:
         return any(r.get("name") == res.plural for r in (payload or {}).get("resources") or [])
 
 
+def timestamp(now: Optional[float] = None) -> str:
+    """An RFC 3339 UTC time in whole seconds, as Kubernetes writes them (`now`: epoch seconds;
+    default the current time): conditions, Events, the tuner's decisions."""
+    when = datetime.datetime.fromtimestamp(time.time() if now is None else now, datetime.timezone.utc)
+    return when.replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
 def event_for(body: Mapping[str, Any], type_: str, reason: str, message: str, *,
               now: Optional[float] = None, component: str = FIELD_MANAGER) -> dict:
     """A core/v1 Event about `body`, named like kubectl's (`<object>.<unique hex>`): unique
     names instead of generateName, which some servers (the kmock emulator) do not honour."""
-    import datetime
-    import uuid
-
     meta = body.get("metadata") or {}
-    when = datetime.datetime.fromtimestamp(time.time() if now is None else now, datetime.timezone.utc)
-    stamp = when.replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    stamp = timestamp(now)
     return {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace")},
@@ -250,8 +255,9 @@ def event_for(body: Mapping[str, Any], type_: str, reason: str, message: str, *,
 
 async def post_event(client: KubeClient, body: Mapping[str, Any], type_: str, reason: str, message: str, *,
                      now: Optional[float] = None) -> bool:
-    """Post an Event about `body` (best effort: an Event never fails a reconcile or a decision).
-    Works in and outside kopf handlers (timers, direct calls), unlike kopf.event()."""
+    """The operator's one Event helper (handlers and the tuning timer): post an Event about
+    `body`, best effort (an Event never fails a reconcile or a decision). Works in and outside
+    kopf handlers (timers, direct calls), unlike kopf.event()."""
     event = event_for(body, type_, reason, message, now=now)
     try:
         await client.create(EVENTS, event)
@@ -315,6 +321,3 @@ class Executor:
                 raise
         return await self.client.apply(res, obj)
 
-
-def results_by_key(objects: list[dict]) -> dict[Key, dict]:
-    return {key_of(o): o for o in objects}

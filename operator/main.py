@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, stop_flag: Optional[asyncio.Event] = None) -> 
     choose_peering(args)
     op = Operator()
     registry = register(kopf.OperatorRegistry(), op, login=login)
-    tuning.register(registry, op)  # issue 7: the rollout guard and SLO tuner timer
+    tuning.register(registry, op)  # the rollout guard and SLO tuner timer
 
     @kopf.on.startup(registry=registry)
     def peering_settings(settings: kopf.OperatorSettings, **_: Any) -> None:

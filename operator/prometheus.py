@@ -1,7 +1,7 @@
 """Reading the runtime's metrics back from Prometheus (HTTP API, PromQL) for the tuner.
 
 One `MetricSample` per model and window: per lane TTFT / TPOT / queue-delay p95 from the
-runtime's histograms (DESIGN.md §3.4), finished and rejected request rates (the thin-data
+runtime's histograms (docs/metrics.md), finished and rejected request rates (the thin-data
 check and the rejection share), generated tokens per second, queued requests; and for the
 whole model the highest KV usage and the preemption rate. Any failure (connection refused,
 timeout, HTTP error, a PromQL error) gives `MetricSample.unavailable(reason)`, never an
@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 
 import httpx
 
-from tokenlane.operator.tuner import LaneMetrics, MetricSample
+from tokenlane.operator.tuner_types import LaneMetrics, MetricSample
 
 PREFIX = "tokenlane_"
 _LABEL_VALUE_RE = re.compile(r'^[^"\\\n]*$')

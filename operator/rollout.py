@@ -31,7 +31,10 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from tokenlane.operator.tuner import LaneTarget, MetricSample, TunerSettings, _is_thin
+from tokenlane.operator import builders
+from tokenlane.operator.model import ModelService, ServingLane
+from tokenlane.operator.tuner_types import LaneTarget, MetricSample, too_few_requests
+from tokenlane.runtime.config import FALLBACK_SCALED_KEYS
 
 VERIFYING, STABLE, ROLLED_BACK, FALLBACK, FAILED = "Verifying", "Stable", "RolledBack", "Fallback", "Failed"
 NONE, WAIT, START, PROMOTE, ROLLBACK, HOLD_ROLLED_BACK, FALLBACK_ACTION, FAIL = (
@@ -54,10 +57,6 @@ class FallbackProfile:
         if self.budget_scale is not None and not 0 < self.budget_scale <= 1:
             raise ValueError(f"rollout.fallback.budgetScale must be in (0, 1], got {self.budget_scale}")
 
-    @property
-    def is_empty(self) -> bool:
-        return self.continuous_batching is None and self.budget_scale is None and not self.scheduler
-
     def describe(self) -> str:
         parts = []
         if self.continuous_batching is False:
@@ -75,37 +74,12 @@ class FallbackProfile:
             out["engine"] = {"continuousBatching": self.continuous_batching}
         sched: dict[str, Any] = {}
         if self.budget_scale is not None:
-            for key in ("maxActiveSequences", "maxBatchedTokens", "prefillChunkSize"):
+            for key in FALLBACK_SCALED_KEYS:
                 if key in scheduler:
                     sched[key] = max(1, int(scheduler[key] * self.budget_scale))
         sched.update(self.scheduler)
         if sched:
             out["scheduler"] = sched
-        return out
-
-    def apply(self, runtime_yaml: Mapping[str, Any]) -> dict[str, Any]:
-        """The runtime.yaml dict with the profile applied (a copy; budgets only go down)."""
-        out = json.loads(json.dumps(runtime_yaml))
-        if self.continuous_batching is not None:
-            out.setdefault("engine", {})["continuousBatching"] = self.continuous_batching
-        sched = out.setdefault("scheduler", {})
-        if self.budget_scale is not None:
-            defaults = {"maxActiveSequences": 128, "maxBatchedTokens": 8192, "prefillChunkSize": 2048}
-            for key, default in defaults.items():
-                sched[key] = max(1, int(sched.get(key, default) * self.budget_scale))
-            for lane in out.get("lanes", []):
-                for key in defaults:
-                    if key in lane:
-                        lane[key] = max(1, int(lane[key] * self.budget_scale))
-        sched.update(self.scheduler)
-        # Keep the runtime's invariants after scaling.
-        if "prefillChunkSize" in sched and "maxBatchedTokens" in sched:
-            sched["prefillChunkSize"] = min(sched["prefillChunkSize"], sched["maxBatchedTokens"])
-        if "maxActiveSequences" in sched and "maxBatchedTokens" in sched:
-            sched["maxActiveSequences"] = min(sched["maxActiveSequences"], sched["maxBatchedTokens"])
-        for lane in out.get("lanes", []):
-            if "prefillChunkSize" in lane and "maxBatchedTokens" in lane:
-                lane["prefillChunkSize"] = min(lane["prefillChunkSize"], lane["maxBatchedTokens"])
         return out
 
 
@@ -319,13 +293,20 @@ def revision_of(objects: Sequence[Mapping[str, Any]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def spec_revision(msvc: ModelService, lanes: list[ServingLane]) -> tuple[str, builders.Desired]:
+    """The revision of what the spec alone renders (no tuned or fallback values), and that render.
+    Raises ValueError when the spec cannot be rendered."""
+    spec_only = ModelService(ref=msvc.ref, spec=msvc.spec, labels=msvc.labels, status={})
+    desired = builders.build(spec_only, lanes, overrides=builders.Overrides())
+    return revision_of(desired.objects), desired
+
+
 def baseline_from(sample: MetricSample, lanes: Sequence[LaneTarget], min_requests: int) -> dict[str, LaneBaseline]:
     """Per-lane numbers of a window, for lanes with enough requests."""
-    settings = TunerSettings(min_requests=min_requests)
     out = {}
     for lane in lanes:
         m = sample.lanes.get(lane.name)
-        if not sample.available or _is_thin(m, settings, sample.window_s):
+        if not sample.available or too_few_requests(m, min_requests, sample.window_s):
             continue
         total = m.request_rate + m.rejection_rate
         out[lane.name] = LaneBaseline(

@@ -5,18 +5,22 @@ tests/operator/test_crds.py fails when they are stale). The same schema drives
 `apply_defaults` (what the API server does to a stored object, so `tokenlane render` sees
 what the cluster would store) and `to_jsonschema` (type/range checks without a cluster).
 
-Defaults of the scheduler budgets are the seed's (DESIGN.md §3.3) and equal the runtime's
-own `SchedulerConfig` defaults (a test checks they agree).
+The budget knobs (`spec.scheduler`, a ServingLane's `spec.budgets`, the tuning bounds) come
+from the runtime's knob table (`tokenlane.runtime.config.KNOBS`), their defaults from its
+`SchedulerConfig`: the CRDs and the runtime cannot disagree.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+
+from tokenlane.runtime.config import LANE_KNOBS, SCHEDULER_KNOBS, TUNED_KNOBS, Knob, LaneConfig, SchedulerConfig, _camel
 
 GROUP = "tokenlane.dev"
 VERSION = "v1alpha1"
@@ -112,22 +116,33 @@ def _quantity_map(desc: str) -> dict:
                                      "x-kubernetes-int-or-string": True}}
 
 
-def _min_max(desc: str, number: bool = False, maximum: Optional[float] = None) -> dict:
-    make = (lambda d: _num(d, minimum=0, maximum=maximum)) if number else (lambda d: _int(d, minimum=1))
-    return _obj(desc, {"min": make("Lowest value the tuner may set."),
-                       "max": make("Highest value the tuner may set.")},
-                rules=[("!has(self.min) || !has(self.max) || self.min <= self.max",
-                        "min must be <= max")])
+def _knob(knob: Knob, desc: str, default: Any = None) -> dict:
+    """The schema of one budget knob (its type and range from the knob table)."""
+    if knob.type is int:
+        return _int(desc, default=default, minimum=int(knob.minimum),
+                    maximum=None if knob.maximum is None else int(knob.maximum))
+    return _num(desc, default=default, minimum=knob.minimum, maximum=knob.maximum,
+                exclusive_minimum=knob.exclusive_minimum)
+
+
+def _in_field_order(cls: type, props: dict) -> dict:
+    """`props` in the order of the runtime dataclass's fields (as runtime.yaml renders them)."""
+    order = [_camel(f.name) for f in dataclasses.fields(cls)]
+    return dict(sorted(props.items(), key=lambda item: order.index(item[0])))
 
 
 def _budget_bounds(desc: str) -> dict:
+    """min/max of each knob the tuner may move."""
+    def bound(knob: Knob, desc: str) -> dict:
+        if knob.type is int:
+            return _int(desc, minimum=int(knob.minimum))
+        return _num(desc, minimum=knob.minimum, maximum=None if knob.maximum is None else float(knob.maximum))
+
     return _obj(desc, {
-        "maxActiveSequences": _min_max("Bounds for maxActiveSequences."),
-        "maxBatchedTokens": _min_max("Bounds for maxBatchedTokens."),
-        "prefillChunkSize": _min_max("Bounds for prefillChunkSize."),
-        "maxWaitingRequests": _min_max("Bounds for maxWaitingRequests."),
-        "kvCacheHighWatermark": _min_max("Bounds for kvCacheHighWatermark (fraction of the KV pool).",
-                                         number=True, maximum=1.0),
+        k.key: _obj(f"Bounds for {k.key}.", {"min": bound(k, "Lowest value the tuner may set."),
+                                             "max": bound(k, "Highest value the tuner may set.")},
+                    rules=[("!has(self.min) || !has(self.max) || self.min <= self.max", "min must be <= max")])
+        for k in TUNED_KNOBS
     })
 
 
@@ -156,44 +171,19 @@ def _free_object(desc: str) -> dict:
 
 # --------------------------------------------------------------------------- shared parts
 
-SCHEDULER_DEFAULTS = {
-    "maxActiveSequences": 128,
-    "maxWaitingRequests": 512,
-    "maxBatchedTokens": 8192,
-    "prefillChunkSize": 2048,
-    "policy": "decode-first",
-    "queueTimeoutMs": 30000,
-    "streamIdleTimeoutMs": 10000,
-    "kvCacheHighWatermark": 0.88,
-    "kvCacheRejectWatermark": 0.95,
-}
+# The defaults the API server fills in: the runtime's own.
+SCHEDULER_DEFAULTS = {_camel(f.name): f.default for f in dataclasses.fields(SchedulerConfig) if f.default is not None}
 
 
 def _scheduler() -> dict:
     d = SCHEDULER_DEFAULTS
+    props = {k.key: _knob(k, k.doc, d.get(k.key)) for k in SCHEDULER_KNOBS}
+    props["policy"] = _str("decode-first schedules running decodes before new prefill chunks; mixed interleaves.",
+                           default=d["policy"], enum=["decode-first", "mixed"])
     return _obj(
         "Global scheduler budgets of every runtime pod (hot-reloaded, no restart). Lanes may cap them; "
         "with tuning enabled the operator adjusts the effective values within the tuning bounds.",
-        {
-            "maxActiveSequences": _int("Running sequences per step.", default=d["maxActiveSequences"], minimum=1, maximum=65536),
-            "maxWaitingRequests": _int("Queued requests over all lanes; beyond it requests get 429.",
-                                       default=d["maxWaitingRequests"], minimum=1, maximum=1048576),
-            "maxBatchedTokens": _int("Tokens per step (decodes plus prefill chunks).", default=d["maxBatchedTokens"],
-                                     minimum=1, maximum=1048576),
-            "maxModelLen": _int("Optional extra cap on prompt + output tokens.", minimum=1),
-            "prefillChunkSize": _int("Largest prefill chunk per request per step (chunked prefill).",
-                                     default=d["prefillChunkSize"], minimum=1, maximum=1048576),
-            "policy": _str("decode-first schedules running decodes before new prefill chunks; mixed interleaves.",
-                           default=d["policy"], enum=["decode-first", "mixed"]),
-            "queueTimeoutMs": _int("A request waiting longer in its queue gets 504.", default=d["queueTimeoutMs"],
-                                   minimum=1),
-            "streamIdleTimeoutMs": _int("A stalled stream consumer is cancelled after this.",
-                                        default=d["streamIdleTimeoutMs"], minimum=1),
-            "kvCacheHighWatermark": _num("KV pool usage above which no new prefill starts.",
-                                         default=d["kvCacheHighWatermark"], minimum=0, maximum=1, exclusive_minimum=True),
-            "kvCacheRejectWatermark": _num("KV pool usage above which new requests get 503.",
-                                           default=d["kvCacheRejectWatermark"], minimum=0, maximum=1, exclusive_minimum=True),
-        },
+        _in_field_order(SchedulerConfig, props),
         defaulted=True,
         rules=[
             ("self.kvCacheHighWatermark < self.kvCacheRejectWatermark && self.kvCacheRejectWatermark <= 1.0",
@@ -415,13 +405,7 @@ def model_service_status() -> dict:
 def serving_lane_spec() -> dict:
     budgets = _obj(
         "Caps on the ModelService's global budgets for this lane (hot-reloaded).",
-        {
-            "maxActiveSequences": _int("Running sequences of this lane per step.", minimum=1),
-            "maxBatchedTokens": _int("Tokens of this lane per step.", minimum=1),
-            "prefillChunkSize": _int("Largest prefill chunk of this lane's requests.", minimum=1),
-            "maxWaitingRequests": _int("Queue length of this lane; beyond it 429.", minimum=1),
-            "queueTimeoutMs": _int("Queue timeout of this lane (replaces the global one); then 504.", minimum=1),
-        },
+        _in_field_order(LaneConfig, {k.key: _knob(k, k.lane_doc) for k in LANE_KNOBS}),
         rules=[("!has(self.prefillChunkSize) || !has(self.maxBatchedTokens) || self.prefillChunkSize <= self.maxBatchedTokens",
                 "prefillChunkSize must be <= maxBatchedTokens")],
     )

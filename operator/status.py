@@ -3,8 +3,8 @@
 The operator owns these status keys of a ModelService: observedGeneration, replicas,
 readyReplicas, updatedReplicas, selector, lanes, laneNames, restartHash, configHash,
 endpoint, effectiveBudgets and the conditions Ready, Progressing, Degraded. Other writers
-(the tuner / rollout guard of issue 7) own status.overrides / tuning / rollout and the
-conditions SLOMet and RolledBack; `merge_conditions` keeps theirs untouched.
+(the tuner and the rollout guard, tuning.py) own status.overrides / tuning / rollout and the
+conditions SLOMet, RolledBack and Tuning; `merge_conditions` keeps theirs untouched.
 """
 
 from __future__ import annotations

@@ -33,323 +33,241 @@ more than `max_step_fraction` of its value, and each knob moves at most once per
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Iterable, Mapping, Optional, Sequence
 
-# Knobs the tuner may move, by the runtime.yaml / CRD key they correspond to.
-LANE_KNOBS = ("maxActiveSequences", "maxBatchedTokens", "prefillChunkSize")
-GLOBAL_KNOBS = ("kvCacheHighWatermark",)
-GLOBAL = "global"  # scope of the global knobs in KnobChange.scope
+from tokenlane.operator.tuner_types import (
+    ADJUST,
+    GLOBAL,
+    HOLD,
+    PROBE,
+    REVERT,
+    STEP,
+    Bounds,
+    Decision,
+    DecisionRecord,
+    EffectiveBudgets,
+    KnobChange,
+    LaneMetrics,
+    LaneSLO,
+    LaneTarget,
+    MetricSample,
+    Objective,
+    TunerSettings,
+    too_few_requests,
+)
+from tokenlane.runtime.config import knob as _knob
 
-# Smallest meaningful step per knob (values are rounded to it).
-_GRANULARITY = {
-    "maxActiveSequences": 1,
-    "maxBatchedTokens": 16,
-    "prefillChunkSize": 16,
-    "kvCacheHighWatermark": 0.01,
-}
-
-HOLD, ADJUST, PROBE, REVERT = "hold", "adjust", "probe", "revert"
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The declared range of one knob (inclusive)."""
-
-    min: float
-    max: float
-
-    def __post_init__(self) -> None:
-        if not self.min <= self.max:
-            raise ValueError(f"tuning bounds: min ({self.min}) must be <= max ({self.max})")
-
-    def clamp(self, value: float) -> float:
-        return min(self.max, max(self.min, value))
+# --------------------------------------------------------------------------- the decision
 
 
-@dataclass(frozen=True)
-class LaneTarget:
-    """A lane as the tuner sees it: SLO targets, priority, and the knobs it may move."""
+def decide(
+    lanes: Sequence[LaneTarget],
+    settings: TunerSettings,
+    budgets: EffectiveBudgets,
+    sample: MetricSample,
+    history: Sequence[DecisionRecord],
+    now: float,
+) -> Decision:
+    """One tuning step. Pure: the same inputs always give the same decision."""
+    slo = {lane.name: lane_slo(lane, sample, settings) for lane in lanes}
 
-    name: str
-    lane_class: str = "interactive"  # interactive | long-context | batch
-    priority: int = 50
-    ttft_p95_ms: Optional[float] = None
-    tpot_p95_ms: Optional[float] = None
-    bounds: Mapping[str, Bounds] = field(default_factory=dict)  # LANE_KNOBS key -> bounds
+    def hold(reason: str, **extra) -> Decision:
+        return Decision(now, HOLD, budgets, reason, slo=slo, **extra)
 
-    @property
-    def has_slo(self) -> bool:
-        return self.ttft_p95_ms is not None or self.tpot_p95_ms is not None
+    if not sample.available:
+        return hold(f"holding budgets: Prometheus unavailable ({sample.error})")
 
-
-@dataclass(frozen=True)
-class TunerSettings:
-    cooldown_s: float = 60.0  # no change sooner than this after the previous one
-    window_s: float = 60.0  # metric window; a change is judged on a full window after it
-    min_requests: int = 20  # finished requests per lane per window for its p95 to count
-    comfort_ratio: float = 0.7  # p95 below ratio x target = slack (hysteresis band above)
-    queueing_share: float = 0.5  # queue delay >= this share of TTFT = the miss is queueing
-    increase_fraction: float = 0.125  # additive step, as a fraction of the bounds' range
-    decrease_factor: float = 0.75  # multiplicative decrease
-    max_step_fraction: float = 0.25  # no step changes a knob by more than this share of its value
-    watermark_step: float = 0.02  # step of kvCacheHighWatermark (both directions)
-    kv_pressure_margin: float = 0.05  # KV usage within this of the reject watermark = pressure
-    reject_watermark: float = 0.95  # the runtime's kvCacheRejectWatermark (not tuned)
-    kv_busy: float = 0.5  # KV usage above which decode steps are dominated by KV reads
-    # A change is reverted when the violation rises by more than this share of the lanes'
-    # p95 level (sum of weight x p95/target): noise in a window's p95 does not trigger it.
-    revert_tolerance: float = 0.15
-    revert_abs_tolerance: float = 0.02  # ... and by more than this (violation is in targets)
-    throughput_tolerance: float = 0.10  # a probe that loses this share of throughput reverts
-    load_change_limit: float = 1.5  # offered load changed more than this factor: inconclusive
-    tabu_cooldowns: float = 4.0  # a reverted move is blocked for this many cooldowns (doubling)
-    global_bounds: Mapping[str, Bounds] = field(default_factory=dict)  # GLOBAL_KNOBS -> bounds
-    probe: bool = True  # probe upward for throughput when every lane has headroom
-
-    def __post_init__(self) -> None:
-        if not 0 < self.comfort_ratio < 1:
-            raise ValueError(f"comfortRatio must be in (0, 1), got {self.comfort_ratio}")
-        if not 0 < self.decrease_factor < 1:
-            raise ValueError(f"decreaseFactor must be in (0, 1), got {self.decrease_factor}")
-        if self.cooldown_s <= 0 or self.window_s <= 0:
-            raise ValueError("cooldown and window must be > 0")
-
-    @property
-    def effective_cooldown_s(self) -> float:
-        # A change must be judged on a window that starts after it.
-        return max(self.cooldown_s, self.window_s)
-
-
-@dataclass(frozen=True)
-class LaneMetrics:
-    """One lane over one window. Latencies in seconds; None = no observation."""
-
-    request_rate: float = 0.0  # finished requests per second (thin-data check)
-    ttft_p95_s: Optional[float] = None
-    tpot_p95_s: Optional[float] = None
-    queue_delay_p95_s: Optional[float] = None
-    rejection_rate: float = 0.0  # rejected or queue-timed-out requests per second
-    waiting: float = 0.0  # requests queued (average or last)
-    throughput_tokens_s: float = 0.0  # generated tokens per second
-
-
-@dataclass(frozen=True)
-class MetricSample:
-    """All lanes over one window ending at `at`."""
-
-    window_s: float
-    lanes: Mapping[str, LaneMetrics] = field(default_factory=dict)
-    kv_usage: Optional[float] = None  # highest KV usage ratio in the window
-    preemption_rate: float = 0.0  # preemptions per second
-    available: bool = True  # False: Prometheus could not be read
-    error: str = ""  # why not available
-    at: Optional[float] = None
-
-    @property
-    def throughput_tokens_s(self) -> float:
-        return sum(m.throughput_tokens_s for m in self.lanes.values())
-
-    @property
-    def request_rate(self) -> float:
-        return sum(m.request_rate + m.rejection_rate for m in self.lanes.values())
-
-    @classmethod
-    def unavailable(cls, error: str, window_s: float = 0.0) -> "MetricSample":
-        return cls(window_s=window_s, available=False, error=error)
-
-
-@dataclass(frozen=True)
-class EffectiveBudgets:
-    """The tuned values in force: per lane knob values, and the global knobs."""
-
-    lanes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-    global_: Mapping[str, float] = field(default_factory=dict)
-
-    def get(self, scope: str, knob: str) -> Optional[float]:
-        table = self.global_ if scope == GLOBAL else self.lanes.get(scope, {})
-        return table.get(knob)
-
-    def with_value(self, scope: str, knob: str, value: float) -> "EffectiveBudgets":
-        if scope == GLOBAL:
-            return replace(self, global_={**self.global_, knob: value})
-        lanes = {name: dict(values) for name, values in self.lanes.items()}
-        lanes.setdefault(scope, {})[knob] = value
-        return replace(self, lanes=lanes)
-
-    def consistent(self) -> "EffectiveBudgets":
-        """Keep the runtime's own rule: a lane's prefill chunk fits in its batched tokens."""
-        out = self
-        for name, values in self.lanes.items():
-            chunk, batched = values.get("prefillChunkSize"), values.get("maxBatchedTokens")
-            if chunk is not None and batched is not None and chunk > batched:
-                out = out.with_value(name, "prefillChunkSize", batched)
-        return out
-
-    def to_dict(self) -> dict:
-        out: dict = {"lanes": {n: dict(v) for n, v in sorted(self.lanes.items())}}
-        if self.global_:
-            out["global"] = dict(self.global_)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> "EffectiveBudgets":
-        lanes = {str(n): {str(k): v for k, v in (vals or {}).items()} for n, vals in (data.get("lanes") or {}).items()}
-        return cls(lanes=lanes, global_=dict(data.get("global") or {}))
-
-
-# --------------------------------------------------------------------------- outputs
-
-
-@dataclass(frozen=True)
-class KnobChange:
-    scope: str  # lane name, or GLOBAL
-    knob: str
-    old: float
-    new: float
-    why: str
-
-    @property
-    def direction(self) -> int:
-        return 1 if self.new > self.old else -1
-
-    def inverse(self, why: str) -> "KnobChange":
-        return KnobChange(self.scope, self.knob, self.new, self.old, why)
-
-    def to_dict(self) -> dict:
-        return {"scope": self.scope, "knob": self.knob, "old": self.old, "new": self.new, "why": self.why}
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> "KnobChange":
-        return cls(str(data["scope"]), str(data["knob"]), data["old"], data["new"], str(data.get("why", "")))
-
-    def __str__(self) -> str:
-        where = "" if self.scope == GLOBAL else f"{self.scope}."
-        return f"{where}{self.knob} {_fmt(self.old)}->{_fmt(self.new)}"
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What a change is judged by: SLO violation first (lower is better), then throughput."""
-
-    violation: float  # sum over lanes with data of weight x relative excess over target
-    throughput_tokens_s: float
-    request_rate: float  # offered load, to tell a real regression from a load change
-    level: float = 0.0  # sum over the same lanes of weight x p95/target (the noise scale)
-
-    def to_dict(self) -> dict:
-        return {
-            "violation": round(self.violation, 4),
-            "throughputTokensPerSecond": round(self.throughput_tokens_s, 3),
-            "requestRate": round(self.request_rate, 4),
-            "level": round(self.level, 4),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Optional[Mapping]) -> Optional["Objective"]:
-        if not data:
-            return None
-        return cls(
-            float(data["violation"]),
-            float(data.get("throughputTokensPerSecond", 0.0)),
-            float(data.get("requestRate", 0.0)),
-            float(data.get("level", 0.0)),
+    current = objective(lanes, sample, settings)
+    window = sample.window_s
+    slo_lanes = [lane for lane in lanes if lane.has_slo]
+    thin = [lane.name for lane in slo_lanes
+            if too_few_requests(sample.lanes.get(lane.name), settings.min_requests, window)]
+    if slo_lanes and len(thin) == len(slo_lanes):
+        return hold(
+            f"holding budgets: too few requests to judge ({', '.join(thin)}: under "
+            f"{settings.min_requests} requests in {window:.0f}s)"
         )
 
+    # ---- judge the change in flight, if any
+    pending = _pending_experiment(history)
+    judged: dict = {}
+    if pending is not None:
+        elapsed = now - pending.at
+        if elapsed < window:
+            return hold(
+                f"evaluating {', '.join(map(str, pending.changes))}: waiting for a full window "
+                f"after the change ({elapsed:.0f}/{window:.0f}s)"
+            )
+        verdict, why = _judge(pending, current, settings)
+        if verdict == "reverted":
+            reverted = budgets
+            inverse = []
+            for change in pending.changes:
+                reverted = reverted.with_value(change.scope, change.knob, change.old)
+                inverse.append(change.inverse(f"revert: {why}"))
+            return Decision(
+                now, REVERT, reverted.consistent(), f"reverting {', '.join(map(str, pending.changes))}: {why}",
+                tuple(inverse), slo, current, judged=pending.at, verdict=verdict,
+            )
+        judged = {"judged": pending.at, "verdict": verdict}
+        judged_note = f"kept {', '.join(map(str, pending.changes))} ({why}); "
+    else:
+        judged_note = ""
 
-@dataclass(frozen=True)
-class LaneSLO:
-    """The SLOMet condition of one lane: met True/False, or None when unknown."""
+    # ---- cooldown since the last change of any kind
+    last = _last_change(history)
+    cooldown = settings.effective_cooldown_s
+    if last is not None and now - last.at < cooldown:
+        return hold(f"{judged_note}cooldown: last change {now - last.at:.0f}s ago (cooldown {cooldown:.0f}s)",
+                    objective=current, **judged)
 
-    met: Optional[bool]
-    reason: str  # CamelCase condition reason
-    message: str
-    ttft_p95_ms: Optional[float] = None
-    tpot_p95_ms: Optional[float] = None
+    plan = _Planner(lanes, settings, budgets, history, now)
+    action, reason = _policy(lanes, settings, sample, slo, plan)
+    if not plan.changes:
+        return hold(judged_note + reason, objective=current, **judged)
+    new_budgets = plan.budgets.consistent()
+    return Decision(now, action, new_budgets, judged_note + reason, tuple(plan.changes), slo, current, **judged)
 
 
-@dataclass(frozen=True)
-class DecisionRecord:
-    """What history keeps of a decision (status.lastDecisions)."""
-
-    at: float
-    action: str  # hold | adjust | probe | revert
-    reason: str
-    changes: tuple[KnobChange, ...] = ()
-    objective: Optional[Objective] = None  # the objective measured when the decision was made
-    judged: Optional[float] = None  # `at` of the change this decision judged (kept or reverted)
-    verdict: str = ""  # kept | reverted | inconclusive
-
-    def to_dict(self) -> dict:
-        out: dict = {"at": self.at, "action": self.action, "reason": self.reason}
-        if self.changes:
-            out["changes"] = [c.to_dict() for c in self.changes]
-        if self.objective is not None:
-            out["objective"] = self.objective.to_dict()
-        if self.judged is not None:
-            out["judged"] = self.judged
-            out["verdict"] = self.verdict
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> "DecisionRecord":
-        return cls(
-            at=float(data["at"]),
-            action=str(data["action"]),
-            reason=str(data.get("reason", "")),
-            changes=tuple(KnobChange.from_dict(c) for c in data.get("changes") or ()),
-            objective=Objective.from_dict(data.get("objective")),
-            judged=data.get("judged"),
-            verdict=str(data.get("verdict", "")),
+def _judge(pending: DecisionRecord, after: Optional[Objective], settings: TunerSettings) -> tuple[str, str]:
+    """Did the change make things worse? -> (kept | reverted | inconclusive, why)."""
+    before = pending.objective
+    if after is None or before is None:
+        return "inconclusive", "no comparable data after the change"
+    lo, hi = before.request_rate / settings.load_change_limit, before.request_rate * settings.load_change_limit
+    if before.request_rate > 0 and not lo <= after.request_rate <= hi:
+        return "inconclusive", (
+            f"offered load changed from {before.request_rate:.2f} to {after.request_rate:.2f} req/s"
         )
+    worse_by = after.violation - before.violation
+    if worse_by > settings.revert_abs_tolerance and worse_by > settings.revert_tolerance * before.level:
+        return "reverted", f"SLO violation rose from {before.violation:.3f} to {after.violation:.3f}"
+    if pending.action == PROBE:
+        floor = before.throughput_tokens_s * (1.0 - settings.throughput_tolerance)
+        if after.throughput_tokens_s < floor and after.violation >= before.violation - settings.revert_abs_tolerance:
+            return "reverted", (
+                f"throughput fell from {before.throughput_tokens_s:.1f} to {after.throughput_tokens_s:.1f} tokens/s"
+            )
+    return "kept", f"violation {before.violation:.3f}->{after.violation:.3f}, throughput " \
+                   f"{before.throughput_tokens_s:.1f}->{after.throughput_tokens_s:.1f} tokens/s"
 
 
-@dataclass(frozen=True)
-class Decision:
-    at: float
-    action: str
-    budgets: EffectiveBudgets
-    reason: str
-    changes: tuple[KnobChange, ...] = ()
-    slo: Mapping[str, LaneSLO] = field(default_factory=dict)
-    objective: Optional[Objective] = None
-    judged: Optional[float] = None
-    verdict: str = ""
+def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: MetricSample,
+            slo: Mapping[str, LaneSLO], plan: _Planner) -> tuple[str, str]:
+    """Choose this interval's moves into `plan`; returns (action, reason)."""
+    window = sample.window_s
+    metrics = {lane.name: sample.lanes.get(lane.name) for lane in lanes}
+    thin = {lane.name for lane in lanes if too_few_requests(metrics[lane.name], settings.min_requests, window)}
+    ratios = {lane.name: _ratios(lane, metrics[lane.name]) for lane in lanes if lane.name not in thin}
 
-    @property
-    def changed(self) -> bool:
-        return bool(self.changes)
+    def has_slack(lane: LaneTarget) -> bool:
+        # Lanes without an SLO, or without enough traffic to matter, can always give.
+        if not lane.has_slo or lane.name in thin:
+            return True
+        return all(r < settings.comfort_ratio for r in ratios[lane.name].values())
 
-    def record(self) -> DecisionRecord:
-        return DecisionRecord(
-            self.at, self.action, self.reason, self.changes, self.objective, self.judged, self.verdict
-        )
+    # ---- KV pressure: preemptions near the reject watermark waste work for everyone
+    kv = sample.kv_usage
+    if kv is not None and kv >= settings.reject_watermark - settings.kv_pressure_margin and sample.preemption_rate > 0:
+        why = (f"KV usage {kv:.2f} near the reject watermark {settings.reject_watermark:.2f} with "
+               f"{sample.preemption_rate:.2f} preemptions/s")
+        for donor in _donor_order(lanes):
+            if plan.step(donor.name, "maxActiveSequences", -1, why):
+                return ADJUST, f"{why}: fewer active sequences in {donor.name}"
+        if plan.step(GLOBAL, "kvCacheHighWatermark", -1, why):
+            return ADJUST, f"{why}: lower high watermark"
+        return HOLD, f"{why}, but every knob is at its bound"
+
+    # ---- SLO misses, most important lane first
+    missing = [
+        lane for lane in lanes
+        if lane.name in ratios and any(r > 1.0 for r in ratios[lane.name].values())
+    ]
+    missing.sort(key=lambda lane: (-lane.priority, -max(ratios[lane.name].values())))
+    for lane in missing:
+        r = ratios[lane.name]
+        m = metrics[lane.name]
+        donors = [d for d in _donor_order(lanes)
+                  if d.name != lane.name and d.priority <= lane.priority and has_slack(d)]
+        if r.get("ttft", 0.0) >= r.get("tpot", 0.0):
+            ttft_ms = m.ttft_p95_s * 1000.0
+            queue_ms = (m.queue_delay_p95_s or 0.0) * 1000.0
+            queueing = queue_ms >= settings.queueing_share * ttft_ms
+            why = (f"{lane.name} TTFT p95 {ttft_ms:.0f}ms > {lane.ttft_p95_ms:.0f}ms "
+                   f"({'queueing' if queueing else 'prefill'}: queue delay p95 {queue_ms:.0f}ms)")
+            knobs = ("maxBatchedTokens", "maxActiveSequences") if queueing else ("prefillChunkSize",)
+            grown = [k for k in knobs if plan.step(lane.name, k, +1, why)]
+            given = []
+            for donor in donors:
+                given = [k for k in knobs if plan.step(donor.name, k, -1, why)]
+                if given:
+                    given_from = donor.name
+                    break
+            if grown or given:
+                parts = []
+                if grown:
+                    parts.append(f"more {'/'.join(grown)} for {lane.name}")
+                if given:
+                    parts.append(f"less {'/'.join(given)} for {given_from}")
+                return ADJUST, f"{why}: {' and '.join(parts)}"
+        else:
+            tpot_ms = m.tpot_p95_s * 1000.0
+            # A decode waits for the whole step: the prefill tokens batched with it (compute)
+            # and every running sequence's KV reads (memory). Shrink the first donor's tokens
+            # per step and chunk size (its running set too when KV is well used), and the
+            # other donors' chunk sizes.
+            why = f"{lane.name} TPOT p95 {tpot_ms:.0f}ms > {lane.tpot_p95_ms:.0f}ms: long steps stall decodes"
+            knobs = ["maxBatchedTokens", "prefillChunkSize"]
+            if sample.kv_usage is not None and sample.kv_usage >= settings.kv_busy:
+                knobs.append("maxActiveSequences")
+            shrunk = [f"{d.name}.{k}" for d in donors[:1] for k in knobs if plan.step(d.name, k, -1, why)]
+            shrunk += [f"{d.name}.prefillChunkSize" for d in donors[1:]
+                       if plan.step(d.name, "prefillChunkSize", -1, why)]
+            if not shrunk and plan.step(lane.name, "prefillChunkSize", -1, why):
+                shrunk = [f"{lane.name}.prefillChunkSize"]
+            if shrunk:
+                return ADJUST, f"{why}: smaller {', '.join(shrunk)}"
+    if missing:
+        names = ", ".join(lane.name for lane in missing)
+        return HOLD, f"{names} missing SLO but no knob can move (bounds reached or move blocked after a revert)"
+
+    # ---- headroom everywhere: probe upward for throughput where work queues
+    judged_lanes = [lane for lane in lanes if lane.has_slo and lane.name not in thin]
+    comfortable = all(has_slack(lane) for lane in judged_lanes)
+    if not comfortable:
+        return HOLD, "all lanes within SLO (inside the hysteresis band: no change)"
+    if not settings.probe:
+        return HOLD, "all lanes within SLO with headroom (probing disabled)"
+    backlog = [
+        lane for lane in _donor_order(lanes)
+        if (m := metrics[lane.name]) is not None and (m.rejection_rate > 0 or m.waiting >= 1.0)
+    ]
+    if not backlog:
+        return HOLD, "all lanes within SLO with headroom; no queued work to probe for"
+    preempting = sample.preemption_rate > 0
+    for lane in backlog:
+        why = f"all lanes have SLO headroom and {lane.name} has queued work: probing for throughput"
+        for knob in ("maxBatchedTokens", "maxActiveSequences"):
+            if plan.step(lane.name, knob, +1, why):
+                return PROBE, f"{why} ({knob})"
+    if not preempting and plan.step(GLOBAL, "kvCacheHighWatermark", +1, "probing for throughput: no preemptions"):
+        return PROBE, "all lanes have SLO headroom and no preemptions: probing a higher KV high watermark"
+    return HOLD, "all lanes within SLO with headroom; every probe knob is at its bound"
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.2f}" if isinstance(value, float) and not float(value).is_integer() else str(int(value))
-
-
 def _round(knob: str, value: float) -> float:
-    step = _GRANULARITY.get(knob, 1)
-    if knob in GLOBAL_KNOBS:
+    step = STEP[knob]
+    if _knob(knob).type is float:
         return round(round(value / step) * step, 4)
     return int(round(value / step) * step) or int(step)
 
 
 def _ms(seconds: Optional[float]) -> Optional[float]:
     return None if seconds is None else seconds * 1000.0
-
-
-def _is_thin(metrics: Optional[LaneMetrics], settings: TunerSettings, window_s: float) -> bool:
-    return metrics is None or metrics.request_rate * window_s < settings.min_requests
-
 
 def _ratios(lane: LaneTarget, m: LaneMetrics) -> dict[str, float]:
     """p95 / target for each SLO the lane declares and the window observed."""
@@ -372,7 +290,7 @@ def objective(lanes: Sequence[LaneTarget], sample: MetricSample, settings: Tuner
     violation, level, counted = 0.0, 0.0, 0
     for lane in lanes:
         m = sample.lanes.get(lane.name)
-        if not lane.has_slo or _is_thin(m, settings, sample.window_s):
+        if not lane.has_slo or too_few_requests(m, settings.min_requests, sample.window_s):
             continue
         counted += 1
         for ratio in _ratios(lane, m).values():
@@ -393,7 +311,7 @@ def lane_slo(lane: LaneTarget, sample: MetricSample, settings: TunerSettings) ->
     if not lane.has_slo:
         return LaneSLO(None, "NoSLO", "the lane declares no latency SLO")
     m = sample.lanes.get(lane.name)
-    if _is_thin(m, settings, sample.window_s):
+    if too_few_requests(m, settings.min_requests, sample.window_s):
         seen = 0 if m is None else int(round(m.request_rate * sample.window_s))
         return LaneSLO(
             None,
@@ -506,16 +424,16 @@ class _Planner:
             target = current + direction * self.settings.watermark_step
         elif direction > 0:
             span = bounds.max - bounds.min
-            target = current + max(_GRANULARITY[knob], span * self.settings.increase_fraction)
+            target = current + max(STEP[knob], span * self.settings.increase_fraction)
         else:
             target = current * self.settings.decrease_factor
         if knob != "kvCacheHighWatermark":
             # AIMD, but never more than max_step_fraction of the current value per step.
-            limit = max(_GRANULARITY[knob], current * self.settings.max_step_fraction)
+            limit = max(STEP[knob], current * self.settings.max_step_fraction)
             target = min(current + limit, max(current - limit, target))
         new = bounds.clamp(_round(knob, target))
         new = bounds.clamp(new)  # rounding can step past a bound that is not on the grid
-        if knob not in GLOBAL_KNOBS:
+        if _knob(knob).type is int:
             new = int(new) if float(new).is_integer() else int(math.floor(new))
         if (new - current) * direction <= 0:
             return False
@@ -554,264 +472,3 @@ def _donor_order(lanes: Iterable[LaneTarget]) -> list[LaneTarget]:
     """Who gives budget first: batch, then long-context, then by ascending priority."""
     rank = {"batch": 0, "long-context": 1, "interactive": 2}
     return sorted(lanes, key=lambda lane: (rank.get(lane.lane_class, 3), lane.priority, lane.name))
-
-
-# --------------------------------------------------------------------------- the decision
-
-
-def decide(
-    lanes: Sequence[LaneTarget],
-    settings: TunerSettings,
-    budgets: EffectiveBudgets,
-    sample: MetricSample,
-    history: Sequence[DecisionRecord],
-    now: float,
-) -> Decision:
-    """One tuning step. Pure: the same inputs always give the same decision."""
-    slo = {lane.name: lane_slo(lane, sample, settings) for lane in lanes}
-
-    def hold(reason: str, **extra) -> Decision:
-        return Decision(now, HOLD, budgets, reason, slo=slo, **extra)
-
-    if not sample.available:
-        return hold(f"holding budgets: Prometheus unavailable ({sample.error})")
-
-    current = objective(lanes, sample, settings)
-    window = sample.window_s
-    slo_lanes = [lane for lane in lanes if lane.has_slo]
-    thin = [lane.name for lane in slo_lanes if _is_thin(sample.lanes.get(lane.name), settings, window)]
-    if slo_lanes and len(thin) == len(slo_lanes):
-        return hold(
-            f"holding budgets: too few requests to judge ({', '.join(thin)}: under "
-            f"{settings.min_requests} requests in {window:.0f}s)"
-        )
-
-    # ---- judge the change in flight, if any
-    pending = _pending_experiment(history)
-    judged: dict = {}
-    if pending is not None:
-        elapsed = now - pending.at
-        if elapsed < window:
-            return hold(
-                f"evaluating {', '.join(map(str, pending.changes))}: waiting for a full window "
-                f"after the change ({elapsed:.0f}/{window:.0f}s)"
-            )
-        verdict, why = _judge(pending, current, settings)
-        if verdict == "reverted":
-            reverted = budgets
-            inverse = []
-            for change in pending.changes:
-                reverted = reverted.with_value(change.scope, change.knob, change.old)
-                inverse.append(change.inverse(f"revert: {why}"))
-            return Decision(
-                now, REVERT, reverted.consistent(), f"reverting {', '.join(map(str, pending.changes))}: {why}",
-                tuple(inverse), slo, current, judged=pending.at, verdict=verdict,
-            )
-        judged = {"judged": pending.at, "verdict": verdict}
-        judged_note = f"kept {', '.join(map(str, pending.changes))} ({why}); "
-    else:
-        judged_note = ""
-
-    # ---- cooldown since the last change of any kind
-    last = _last_change(history)
-    cooldown = settings.effective_cooldown_s
-    if last is not None and now - last.at < cooldown:
-        return hold(f"{judged_note}cooldown: last change {now - last.at:.0f}s ago (cooldown {cooldown:.0f}s)",
-                    objective=current, **judged)
-
-    plan = _Planner(lanes, settings, budgets, history, now)
-    action, reason = _policy(lanes, settings, sample, slo, plan)
-    if not plan.changes:
-        return hold(judged_note + reason, objective=current, **judged)
-    new_budgets = plan.budgets.consistent()
-    return Decision(now, action, new_budgets, judged_note + reason, tuple(plan.changes), slo, current, **judged)
-
-
-def _judge(pending: DecisionRecord, after: Optional[Objective], settings: TunerSettings) -> tuple[str, str]:
-    """Did the change make things worse? -> (kept | reverted | inconclusive, why)."""
-    before = pending.objective
-    if after is None or before is None:
-        return "inconclusive", "no comparable data after the change"
-    lo, hi = before.request_rate / settings.load_change_limit, before.request_rate * settings.load_change_limit
-    if before.request_rate > 0 and not lo <= after.request_rate <= hi:
-        return "inconclusive", (
-            f"offered load changed from {before.request_rate:.2f} to {after.request_rate:.2f} req/s"
-        )
-    worse_by = after.violation - before.violation
-    if worse_by > settings.revert_abs_tolerance and worse_by > settings.revert_tolerance * before.level:
-        return "reverted", f"SLO violation rose from {before.violation:.3f} to {after.violation:.3f}"
-    if pending.action == PROBE:
-        floor = before.throughput_tokens_s * (1.0 - settings.throughput_tolerance)
-        if after.throughput_tokens_s < floor and after.violation >= before.violation - settings.revert_abs_tolerance:
-            return "reverted", (
-                f"throughput fell from {before.throughput_tokens_s:.1f} to {after.throughput_tokens_s:.1f} tokens/s"
-            )
-    return "kept", f"violation {before.violation:.3f}->{after.violation:.3f}, throughput " \
-                   f"{before.throughput_tokens_s:.1f}->{after.throughput_tokens_s:.1f} tokens/s"
-
-
-def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: MetricSample,
-            slo: Mapping[str, LaneSLO], plan: _Planner) -> tuple[str, str]:
-    """Choose this interval's moves into `plan`; returns (action, reason)."""
-    window = sample.window_s
-    metrics = {lane.name: sample.lanes.get(lane.name) for lane in lanes}
-    thin = {lane.name for lane in lanes if _is_thin(metrics[lane.name], settings, window)}
-    ratios = {lane.name: _ratios(lane, metrics[lane.name]) for lane in lanes if lane.name not in thin}
-
-    def has_slack(lane: LaneTarget) -> bool:
-        # Lanes without an SLO, or without enough traffic to matter, can always give.
-        if not lane.has_slo or lane.name in thin:
-            return True
-        return all(r < settings.comfort_ratio for r in ratios[lane.name].values())
-
-    # ---- KV pressure: preemptions near the reject watermark waste work for everyone
-    kv = sample.kv_usage
-    if kv is not None and kv >= settings.reject_watermark - settings.kv_pressure_margin and sample.preemption_rate > 0:
-        why = (f"KV usage {kv:.2f} near the reject watermark {settings.reject_watermark:.2f} with "
-               f"{sample.preemption_rate:.2f} preemptions/s")
-        for donor in _donor_order(lanes):
-            if plan.step(donor.name, "maxActiveSequences", -1, why):
-                return ADJUST, f"{why}: fewer active sequences in {donor.name}"
-        if plan.step(GLOBAL, "kvCacheHighWatermark", -1, why):
-            return ADJUST, f"{why}: lower high watermark"
-        return HOLD, f"{why}, but every knob is at its bound"
-
-    # ---- SLO misses, most important lane first
-    missing = [
-        lane for lane in lanes
-        if lane.name in ratios and any(r > 1.0 for r in ratios[lane.name].values())
-    ]
-    missing.sort(key=lambda lane: (-lane.priority, -max(ratios[lane.name].values())))
-    for lane in missing:
-        r = ratios[lane.name]
-        m = metrics[lane.name]
-        donors = [d for d in _donor_order(lanes)
-                  if d.name != lane.name and d.priority <= lane.priority and has_slack(d)]
-        if r.get("ttft", 0.0) >= r.get("tpot", 0.0):
-            ttft_ms = m.ttft_p95_s * 1000.0
-            queue_ms = (m.queue_delay_p95_s or 0.0) * 1000.0
-            queueing = queue_ms >= settings.queueing_share * ttft_ms
-            why = (f"{lane.name} TTFT p95 {ttft_ms:.0f}ms > {lane.ttft_p95_ms:.0f}ms "
-                   f"({'queueing' if queueing else 'prefill'}: queue delay p95 {queue_ms:.0f}ms)")
-            knobs = ("maxBatchedTokens", "maxActiveSequences") if queueing else ("prefillChunkSize",)
-            grown = [k for k in knobs if plan.step(lane.name, k, +1, why)]
-            given = []
-            for donor in donors:
-                given = [k for k in knobs if plan.step(donor.name, k, -1, why)]
-                if given:
-                    given_from = donor.name
-                    break
-            if grown or given:
-                parts = []
-                if grown:
-                    parts.append(f"more {'/'.join(grown)} for {lane.name}")
-                if given:
-                    parts.append(f"less {'/'.join(given)} for {given_from}")
-                return ADJUST, f"{why}: {' and '.join(parts)}"
-        else:
-            tpot_ms = m.tpot_p95_s * 1000.0
-            # A decode waits for the whole step: the prefill tokens batched with it (compute)
-            # and every running sequence's KV reads (memory). Shrink the first donor's tokens
-            # per step and chunk size (its running set too when KV is well used), and the
-            # other donors' chunk sizes.
-            why = f"{lane.name} TPOT p95 {tpot_ms:.0f}ms > {lane.tpot_p95_ms:.0f}ms: long steps stall decodes"
-            knobs = ["maxBatchedTokens", "prefillChunkSize"]
-            if sample.kv_usage is not None and sample.kv_usage >= settings.kv_busy:
-                knobs.append("maxActiveSequences")
-            shrunk = [f"{d.name}.{k}" for d in donors[:1] for k in knobs if plan.step(d.name, k, -1, why)]
-            shrunk += [f"{d.name}.prefillChunkSize" for d in donors[1:]
-                       if plan.step(d.name, "prefillChunkSize", -1, why)]
-            if not shrunk and plan.step(lane.name, "prefillChunkSize", -1, why):
-                shrunk = [f"{lane.name}.prefillChunkSize"]
-            if shrunk:
-                return ADJUST, f"{why}: smaller {', '.join(shrunk)}"
-    if missing:
-        names = ", ".join(lane.name for lane in missing)
-        return HOLD, f"{names} missing SLO but no knob can move (bounds reached or move blocked after a revert)"
-
-    # ---- headroom everywhere: probe upward for throughput where work queues
-    judged_lanes = [lane for lane in lanes if lane.has_slo and lane.name not in thin]
-    comfortable = all(has_slack(lane) for lane in judged_lanes)
-    if not comfortable:
-        return HOLD, "all lanes within SLO (inside the hysteresis band: no change)"
-    if not settings.probe:
-        return HOLD, "all lanes within SLO with headroom (probing disabled)"
-    backlog = [
-        lane for lane in _donor_order(lanes)
-        if (m := metrics[lane.name]) is not None and (m.rejection_rate > 0 or m.waiting >= 1.0)
-    ]
-    if not backlog:
-        return HOLD, "all lanes within SLO with headroom; no queued work to probe for"
-    preempting = sample.preemption_rate > 0
-    for lane in backlog:
-        why = f"all lanes have SLO headroom and {lane.name} has queued work: probing for throughput"
-        for knob in ("maxBatchedTokens", "maxActiveSequences"):
-            if plan.step(lane.name, knob, +1, why):
-                return PROBE, f"{why} ({knob})"
-    if not preempting and plan.step(GLOBAL, "kvCacheHighWatermark", +1, "probing for throughput: no preemptions"):
-        return PROBE, "all lanes have SLO headroom and no preemptions: probing a higher KV high watermark"
-    return HOLD, "all lanes within SLO with headroom; every probe knob is at its bound"
-
-
-# --------------------------------------------------------------------------- runtime.yaml adapters
-# The runtime's config schema is the one runtime module the operator may import (no torch).
-
-_LANE_ATTR = {"maxActiveSequences": "max_active_sequences", "maxBatchedTokens": "max_batched_tokens",
-              "prefillChunkSize": "prefill_chunk_size"}
-_GLOBAL_ATTR = {"kvCacheHighWatermark": "kv_cache_high_watermark"}
-
-
-# Lane budget knobs whose bounds must not exceed the global budget (a lane cap above it has no effect).
-GLOBAL_CAPPED = tuple(_LANE_ATTR)
-
-
-def capped_by_global(bounds: Bounds, global_value: float) -> Bounds:
-    """A lane knob's bounds with the top at the global budget: lanes cap the global budgets,
-    so a lane value above it is not in force (the tuner would chase a change that never shows)."""
-    hi = min(bounds.max, global_value)
-    return Bounds(min(bounds.min, hi), hi)
-
-
-def lane_targets(config, bounds: Mapping[str, Mapping[str, Bounds]]) -> list[LaneTarget]:
-    """LaneTargets from a RuntimeConfig's lanes (SLOs, class, priority) and declared bounds."""
-    def lane_bounds(name: str) -> dict:
-        return {knob: capped_by_global(b, getattr(config.scheduler, _LANE_ATTR[knob])) if knob in GLOBAL_CAPPED else b
-                for knob, b in bounds.get(name, {}).items()}
-    return [
-        LaneTarget(lane.name, lane.lane_class, lane.priority, lane.slo.ttft_p95_ms, lane.slo.tpot_p95_ms,
-                   lane_bounds(lane.name))
-        for lane in config.lanes
-    ]
-
-
-def budgets_from_config(config) -> EffectiveBudgets:
-    """The effective budgets a RuntimeConfig puts in force (each lane's caps applied)."""
-    lanes = {}
-    for lane in config.lanes:
-        b = config.lane_budgets(lane.name)
-        lanes[lane.name] = {knob: getattr(b, attr) for knob, attr in _LANE_ATTR.items()}
-    return EffectiveBudgets(lanes, {k: getattr(config.scheduler, a) for k, a in _GLOBAL_ATTR.items()})
-
-
-def overrides_of(budgets: EffectiveBudgets) -> dict:
-    """The tuned values as `status.overrides` (the builders layer them over the spec)."""
-    out: dict = {"lanes": {name: dict(values) for name, values in sorted(budgets.lanes.items())}}
-    if budgets.global_:
-        out["scheduler"] = dict(budgets.global_)
-    return out
-
-
-def apply_budgets(config, budgets: EffectiveBudgets):
-    """A RuntimeConfig with the budgets written as lane caps and global knobs (validated)."""
-    import dataclasses
-
-    lanes = []
-    for lane in config.lanes:
-        values = budgets.lanes.get(lane.name, {})
-        changes = {_LANE_ATTR[k]: int(v) for k, v in values.items() if k in _LANE_ATTR}
-        lanes.append(dataclasses.replace(lane, **changes) if changes else lane)
-    sched = config.scheduler
-    changes = {_GLOBAL_ATTR[k]: float(v) for k, v in budgets.global_.items() if k in _GLOBAL_ATTR}
-    if changes:
-        sched = dataclasses.replace(sched, **changes)
-    return dataclasses.replace(config, lanes=lanes, scheduler=sched)

@@ -44,10 +44,10 @@ class RequestStream:
             self._done = True
         return output
 
-    def abort(self) -> None:
-        """Cancel the request (client went away); its final output still arrives."""
+    def abort(self, reason: str = "cancelled") -> None:
+        """Cancel the request (see AsyncEngine.abort); its final output still arrives."""
         if not self._done:
-            self._owner.abort(self.request_id)
+            self._owner.abort(self.request_id, reason)
 
     @property
     def finished(self) -> bool:
@@ -75,6 +75,10 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: RuntimeConfig) -> "AsyncEngine":
         return cls(LLMEngine.from_config(config))
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        return self.engine.vocab_size
 
     @property
     def ready(self) -> bool:
@@ -134,9 +138,11 @@ class AsyncEngine:
         self._wake()
         return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        """Cancel a request of ours: one abort staged for the next step boundary, where its KV
+        blocks are freed; `reason` becomes its finish detail (the metrics' reason label)."""
         if request_id in self._streams:
-            self.engine.abort_request(request_id, RequestStatus.FINISHED_CANCELLED, "cancelled")
+            self.engine.abort_request(request_id, RequestStatus.FINISHED_CANCELLED, reason)
             self._wake()
 
     def reload_config(self, new: RuntimeConfig) -> None:

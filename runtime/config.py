@@ -5,8 +5,13 @@ and the runtime (which reads and hot-reloads it). It must import without torch: 
 image does not ship it. Keys in the file are camelCase, mirroring the CRD fields; attributes
 here are snake_case. User mistakes raise `ConfigError` (a `ValueError`) naming the key.
 
-Sections (DESIGN.md §3.3): `model` and `engine` need a restart to change; `scheduler`,
-`lanes` and `tenants` are hot-reloadable.
+Sections: `model` and `engine` need a restart to change; `scheduler`, `lanes` and `tenants`
+are hot-reloadable (docs/architecture.md, "Contracts").
+
+`KNOBS` is the one table of budget knobs (the numeric limits of `scheduler:` and `lanes[]`):
+the lane caps, `RuntimeConfig.lane_budgets`, the metrics' `budget` label, the operator's
+builders, tuner and rollout fallback, the CRD schemas and the docs' knob tables all derive
+from it (tests/runtime/test_knobs.py fails when one of them does not).
 """
 
 from __future__ import annotations
@@ -131,6 +136,98 @@ def _positive(value: Optional[float], key: str, *, allow_zero: bool = False) -> 
     _check(ok, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+def _snake(key: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in key)
+
+
+# --------------------------------------------------------------------------- budget knobs
+
+# Where a knob lives: the global `scheduler:` section, each entry of `lanes:`, or both.
+SCHEDULER, LANE, BOTH = "scheduler", "lane", "both"
+# How a lane's value meets the global one (knobs in BOTH): the smaller wins, or the lane's
+# value replaces the global one (a batch lane may wait longer than the global queue timeout).
+CAP_MIN, CAP_REPLACE = "min", "replace"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One budget knob: a numeric limit of `scheduler:` and/or `lanes[]`.
+
+    Its default is the SchedulerConfig field's; a lane's value is optional (unset: the global
+    value is in force).
+    """
+
+    key: str  # camelCase key in runtime.yaml and in the CRDs; the attribute is its snake_case
+    scope: str  # SCHEDULER | LANE | BOTH
+    cap: Optional[str]  # BOTH: CAP_MIN or CAP_REPLACE; else None
+    type: type  # int | float
+    minimum: float  # CRD schema range (the runtime checks int knobs are > 0)
+    maximum: Optional[float]
+    doc: str  # CRD description of the global key
+    lane_doc: str = ""  # CRD description of the lane key
+    exclusive_minimum: bool = False
+    tuner_step: Optional[float] = None  # the operator's tuner may move it, in steps of this; None: never
+    fallback_scaled: bool = False  # the Conservative fallback profile scales its global value down
+    attr: str = field(init=False)  # the snake_case attribute on the config dataclasses
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attr", _snake(self.key))  # computed once: lane_budgets runs per request
+        assert self.scope in (SCHEDULER, LANE, BOTH), self
+        assert (self.cap in (CAP_MIN, CAP_REPLACE)) == (self.scope == BOTH), self
+        assert bool(self.lane_doc) == self.in_lane, self
+
+    @property
+    def in_scheduler(self) -> bool:
+        return self.scope in (SCHEDULER, BOTH)
+
+    @property
+    def in_lane(self) -> bool:
+        return self.scope in (LANE, BOTH)
+
+    def effective(self, lane_value: Any, global_value: Any) -> Any:
+        """A lane's value in force, given its own (None: unset) and the global one."""
+        if lane_value is None or self.scope == LANE:
+            return global_value if lane_value is None else lane_value
+        return min(lane_value, global_value) if self.cap == CAP_MIN else lane_value
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("maxActiveSequences", BOTH, CAP_MIN, int, 1, 65536, "Running sequences per step.",
+         "Running sequences of this lane per step.", tuner_step=1, fallback_scaled=True),
+    Knob("maxWaitingRequests", BOTH, CAP_MIN, int, 1, 1048576,
+         "Queued requests over all lanes; beyond it requests get 429.", "Queue length of this lane; beyond it 429."),
+    Knob("maxBatchedTokens", BOTH, CAP_MIN, int, 1, 1048576, "Tokens per step (decodes plus prefill chunks).",
+         "Tokens of this lane per step.", tuner_step=16, fallback_scaled=True),
+    Knob("maxModelLen", SCHEDULER, None, int, 1, None, "Optional extra cap on prompt + output tokens."),
+    Knob("prefillChunkSize", BOTH, CAP_MIN, int, 1, 1048576,
+         "Largest prefill chunk per request per step (chunked prefill).",
+         "Largest prefill chunk of this lane's requests.", tuner_step=16, fallback_scaled=True),
+    Knob("queueTimeoutMs", BOTH, CAP_REPLACE, int, 1, None, "A request waiting longer in its queue gets 504.",
+         "Queue timeout of this lane (replaces the global one); then 504."),
+    Knob("streamIdleTimeoutMs", SCHEDULER, None, int, 1, None, "A stalled stream consumer is cancelled after this."),
+    Knob("kvCacheHighWatermark", SCHEDULER, None, float, 0, 1, "KV pool usage above which no new prefill starts.",
+         exclusive_minimum=True, tuner_step=0.01),
+    Knob("kvCacheRejectWatermark", SCHEDULER, None, float, 0, 1, "KV pool usage above which new requests get 503.",
+         exclusive_minimum=True),
+)
+SCHEDULER_KNOBS = tuple(k for k in KNOBS if k.in_scheduler)
+LANE_KNOBS = tuple(k for k in KNOBS if k.in_lane)
+TUNED_KNOBS = tuple(k for k in KNOBS if k.tuner_step is not None)
+FALLBACK_SCALED_KEYS = tuple(k.key for k in KNOBS if k.fallback_scaled)
+_KNOB_BY_KEY = {k.key: k for k in KNOBS}
+
+
+def knob(key: str) -> Knob:
+    """The knob of a camelCase key; KeyError if it is not a budget knob."""
+    return _KNOB_BY_KEY[key]
+
+
+def _check_int_knobs(section: Any, knobs: tuple[Knob, ...]) -> None:
+    for k in knobs:
+        if k.type is int:
+            _positive(getattr(section, k.attr), k.key)
+
+
 # --------------------------------------------------------------------------- sections
 
 
@@ -209,16 +306,7 @@ class SchedulerConfig:
     kv_cache_reject_watermark: float = 0.95  # above: new requests get 503
 
     def __post_init__(self) -> None:
-        for key in (
-            "max_active_sequences",
-            "max_waiting_requests",
-            "max_batched_tokens",
-            "prefill_chunk_size",
-            "queue_timeout_ms",
-            "stream_idle_timeout_ms",
-        ):
-            _positive(getattr(self, key), _camel(key))
-        _positive(self.max_model_len, "maxModelLen")
+        _check_int_knobs(self, SCHEDULER_KNOBS)
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
         _check(
             self.prefill_chunk_size <= self.max_batched_tokens,
@@ -285,7 +373,8 @@ class LaneConfig:
     priority: int = 50  # higher is served first among lanes with work
     weight: float = 1.0  # fair share of the token budget among lanes of equal priority
     default: bool = False  # requests matching no rule go here
-    max_active_sequences: Optional[int] = None  # caps on the global budgets for this lane
+    # The lane's budget knobs (KNOBS rows with a lane scope); unset = the global value.
+    max_active_sequences: Optional[int] = None
     max_batched_tokens: Optional[int] = None
     prefill_chunk_size: Optional[int] = None
     max_waiting_requests: Optional[int] = None
@@ -302,14 +391,7 @@ class LaneConfig:
         )
         _check(0 <= self.priority <= 1000, "priority", f"must be in [0, 1000], got {self.priority}")
         _positive(self.weight, "weight")
-        for key in (
-            "max_active_sequences",
-            "max_batched_tokens",
-            "prefill_chunk_size",
-            "max_waiting_requests",
-            "queue_timeout_ms",
-        ):
-            _positive(getattr(self, key), _camel(key))
+        _check_int_knobs(self, LANE_KNOBS)
         if self.prefill_chunk_size and self.max_batched_tokens:
             _check(
                 self.prefill_chunk_size <= self.max_batched_tokens,
@@ -339,7 +421,7 @@ class TenantConfig:
 
 @dataclass(frozen=True)
 class LaneBudgets:
-    """A lane's effective budgets: its caps applied to the global ones (derived, not parsed)."""
+    """A lane's effective budgets: each lane knob's value in force (derived, not parsed)."""
 
     max_active_sequences: int
     max_batched_tokens: int
@@ -405,22 +487,14 @@ class RuntimeConfig:
         raise KeyError(name)
 
     def lane_budgets(self, name: str) -> LaneBudgets:
-        lane, glob = self.lane(name), self.scheduler
-
-        def cap(lane_value: Optional[int], global_value: int) -> int:
-            return global_value if lane_value is None else min(lane_value, global_value)
-
-        return LaneBudgets(
-            max_active_sequences=cap(lane.max_active_sequences, glob.max_active_sequences),
-            max_batched_tokens=cap(lane.max_batched_tokens, glob.max_batched_tokens),
-            prefill_chunk_size=min(
-                cap(lane.prefill_chunk_size, glob.prefill_chunk_size),
-                cap(lane.max_batched_tokens, glob.max_batched_tokens),
-            ),
-            max_waiting_requests=cap(lane.max_waiting_requests, glob.max_waiting_requests),
-            # A lane's queue timeout replaces the global one (batch lanes wait longer).
-            queue_timeout_ms=lane.queue_timeout_ms or glob.queue_timeout_ms,
-        )
+        """Each lane knob's value in force for lane `name`, by the knob's cap rule."""
+        lane = self.lane(name)
+        values = {
+            k.attr: k.effective(getattr(lane, k.attr), getattr(self.scheduler, k.attr, None)) for k in LANE_KNOBS
+        }
+        # The scheduler's rule: a prefill chunk fits in the step's token budget.
+        values["prefill_chunk_size"] = min(values["prefill_chunk_size"], values["max_batched_tokens"])
+        return LaneBudgets(**values)
 
     @property
     def auth_enabled(self) -> bool:

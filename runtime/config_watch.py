@@ -11,7 +11,8 @@ non-atomic writer is not judged):
   it at its next step boundary; `config_reloads_total{result="success"}` and a log line;
 - not parseable / fails validation -> a log line with the ConfigError message,
   `{result="invalid"}`; the last good config stays in force;
-- model or engine fields changed -> refused, "needs a restart", `{result="restart_required"}`;
+- model or engine fields changed (the engine refuses it with RestartRequired) -> refused,
+  "need a restart", `{result="restart_required"}`;
 - the engine refuses it for another reason -> `{result="error"}`.
 
 Each distinct content is judged once (a bad file is not re-logged every tick). Polling works
@@ -28,18 +29,21 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from tokenlane.runtime.config import ConfigError, RuntimeConfig, loads_config
+from tokenlane.runtime.engine import RestartRequired
 
 log = logging.getLogger("tokenlane.config")
 
 
 class Reloadable(Protocol):
-    def reload_config(self, new: RuntimeConfig) -> None: ...
+    def reload_config(self, new: RuntimeConfig) -> None:
+        """Stage `new`, or raise RestartRequired / ValueError."""
 
 
 class ReloadRecorder(Protocol):
-    def record_config_reload(self, result: str) -> None: ...
+    """Counts reload results. The config's own gauges are the engine observers' business:
+    they are set when the engine applies the config at its step boundary."""
 
-    def set_config(self, config: RuntimeConfig) -> None: ...
+    def record_config_reload(self, result: str) -> None: ...
 
 
 class ConfigWatcher:
@@ -103,24 +107,13 @@ class ConfigWatcher:
             new = self.transform(loads_config(text))
         except ConfigError as exc:
             return self._done("invalid", f"config reload refused: {exc}; keeping the last good config")
-        if not self.config.reloadable_changes_only(new):
-            changed = sorted(
-                section
-                for section, fields in new.restart_fields().items()
-                if fields != self.config.restart_fields().get(section)
-            )
-            return self._done(
-                "restart_required",
-                f"config reload refused: {'/'.join(changed)} fields changed and need a restart; "
-                "keeping the last good config",
-            )
         try:
-            self.target.reload_config(new)
+            self.target.reload_config(new)  # the engine decides what needs a restart
+        except RestartRequired as exc:
+            return self._done("restart_required", f"config reload refused: {exc}; keeping the last good config")
         except ValueError as exc:
             return self._done("error", f"config reload refused by the engine: {exc}")
         self.config = new
-        if self.recorder is not None:
-            self.recorder.set_config(new)
         return self._done("success", f"config reloaded from {self.path}; applied at the next step")
 
     def _done(self, result: str, message: str) -> str:

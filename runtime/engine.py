@@ -5,7 +5,9 @@
         plan = self.scheduler.schedule()           # who runs how many tokens
         output = self._execute(plan)               # model (or simulated) step
         got_token = self.scheduler.update_from_output(plan, output)
-        return self._outputs(plan, output, got_token)   # text, stop strings, observers
+        outputs = self._outputs(got_token)         # text, stop strings, finished requests
+        self._report_step(plan, output, schedule_seconds)  # step stats to the observers
+        return outputs
 
 `add_request`, `abort_request` and `reload_config` only stage their change (under a small
 lock) so the asyncio front may call them while a step runs in its worker thread; the change
@@ -39,6 +41,27 @@ log = logging.getLogger(__name__)
 # This many steps in a row in which the executor failed for every request (each also run
 # alone) mean the executor is broken: raise (the loop goes unhealthy).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+def restart_field_changes(before: RuntimeConfig, after: RuntimeConfig) -> list[str]:
+    """The restart-only fields that differ between two configs, as sorted "section.key"
+    names (empty: `after` can be hot-reloaded)."""
+    old, new = before.restart_fields(), after.restart_fields()
+    return sorted(
+        f"{section}.{key}"
+        for section in old.keys() | new.keys()
+        for key in old.get(section, {}).keys() | new.get(section, {}).keys()
+        if old.get(section, {}).get(key) != new.get(section, {}).get(key)
+    )
+
+
+class RestartRequired(ValueError):
+    """A config whose model or engine fields changed: only a restart can apply it."""
+
+    def __init__(self, changed: list[str]) -> None:
+        self.changed = changed
+        sections = sorted({name.split(".", 1)[0] for name in changed})
+        super().__init__(f"{'/'.join(sections)} fields changed and need a restart ({', '.join(changed)})")
 
 
 @dataclass
@@ -154,7 +177,7 @@ class LLMEngine:
             clock=clock,
         )
         self.limits = AdmissionLimits(self.max_model_len, executor.num_kv_blocks, executor.block_size,
-                                      getattr(executor, "vocab_size", None))
+                                      self.vocab_size)
         self.estimator = StepTimeEstimator()
         self.observers: list[EngineObserver] = []
         self._lock = threading.Lock()  # guards the staged changes below
@@ -167,6 +190,15 @@ class LLMEngine:
         self._failures = 0
         self._prefix_counters = (0, 0)
         self.last_step_tokens = 0  # tokens the last step ran (0: nothing was runnable)
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """The executor's vocabulary size (None if it has no vocabulary to check ids against)."""
+        return getattr(self.executor, "vocab_size", None)
+
+    @property
+    def supports_logprobs(self) -> bool:
+        return bool(getattr(self.executor, "supports_logprobs", False))
 
     def _max_model_len(self, config: RuntimeConfig) -> int:
         """The smallest of the model's, the config's and the executor's length limits."""
@@ -255,21 +287,15 @@ class LLMEngine:
 
     def reload_config(self, new: RuntimeConfig) -> None:
         """Stage a new config (budgets, lanes, tenants) for the next step boundary.
-        ValueError if a restart-only (model/engine) field differs."""
+        RestartRequired (a ValueError) if a restart-only (model/engine) field differs."""
         if not isinstance(new, RuntimeConfig):
             raise ValueError(f"expected a RuntimeConfig, got {type(new).__name__}")
-        if not self.config.reloadable_changes_only(new):
-            before, after = self.config.restart_fields(), new.restart_fields()
-            changed = sorted(
-                k
-                for section in ("model", "engine")
-                for k in set(before[section]) | set(after[section])
-                if before[section].get(k) != after[section].get(k)
-            )
-            message = f"model/engine fields changed ({', '.join(changed)}): a restart is needed"
+        changed = restart_field_changes(self.config, new)
+        if changed:
+            error = RestartRequired(changed)
             for observer in self.observers:
-                observer.on_config_applied(new, False, message)
-            raise ValueError(message)
+                observer.on_config_applied(new, False, str(error))
+            raise error
         with self._lock:
             self._pending_config = new
 
@@ -358,8 +384,8 @@ class LLMEngine:
             pending = []
         else:
             pending = [plan.chunks[len(plan.chunks) // 2:], plan.chunks[: len(plan.chunks) // 2]]
-        # The first sub-step repeats the step's block copies and executor clean-up (both
-        # idempotent) in case the failure came before them.
+        # The first sub-step repeats the step's block copies (always empty today) and executor
+        # clean-up (both idempotent) in case the failure came before them.
         first = {"block_copies": plan.block_copies, "finished": plan.finished, "preempted": plan.preempted}
         while pending:
             chunks = pending.pop()

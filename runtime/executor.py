@@ -1,7 +1,7 @@
 """The model executor: a StepPlan in, sampled tokens out.
 
-Per step it copies shared blocks (copy-on-write), lays all scheduled chunks out as one flat
-batch (token ids, positions, slot mapping, block tables, sequence and query lengths), runs
+Per step it applies the plan's block copies (reserved for parallel sampling; always empty
+today), lays all scheduled chunks out as one flat batch (token ids, positions, slot mapping, block tables, sequence and query lengths), runs
 the model once, computes logits only for the positions that sample, and samples.
 
 It owns the device, the weights and the paged KV pool; the scheduler owns which blocks
@@ -227,6 +227,8 @@ class ModelExecutor:
         return (prompt + request.output_token_ids)[start : start + n]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst. Reserved for parallel sampling; no plan asks for
+        a copy today."""
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for key_cache, value_cache in self.kv_caches:

@@ -46,14 +46,6 @@ class Lane:
     def name(self) -> str:
         return self.config.name
 
-    @property
-    def priority(self) -> int:
-        return self.config.priority
-
-    @property
-    def weight(self) -> float:
-        return self.config.weight
-
     def reconfigure(self, config: LaneConfig, budgets: LaneBudgets) -> None:
         self.config = config
         self.budgets = budgets

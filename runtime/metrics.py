@@ -1,4 +1,4 @@
-"""Prometheus metrics of the runtime (DESIGN.md §3.4): an `EngineObserver` over its own
+"""Prometheus metrics of the runtime (docs/metrics.md): an `EngineObserver` over its own
 `CollectorRegistry`.
 
 Names carry the `tokenlane_` prefix. Labels: `model` everywhere; `lane` on per-lane series;
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Optional
+from typing import Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.config import LANE_KNOBS, RuntimeConfig
 from tokenlane.runtime.request import FinishReason, Request
 from tokenlane.runtime.stats import StepStats
 
@@ -47,14 +47,8 @@ OUTCOME_OF_FINISH = {
     FinishReason.ERROR: "error",
 }
 
-# Budget gauge label value -> LaneBudgets attribute.
-BUDGET_KEYS = {
-    "maxActiveSequences": "max_active_sequences",
-    "maxBatchedTokens": "max_batched_tokens",
-    "prefillChunkSize": "prefill_chunk_size",
-    "maxWaitingRequests": "max_waiting_requests",
-    "queueTimeoutMs": "queue_timeout_ms",
-}
+# Budget gauge label value -> LaneBudgets attribute: every lane knob.
+BUDGET_KEYS = {k.key: k.attr for k in LANE_KNOBS}
 
 # SLO gauge label value -> SLOConfig attribute (milliseconds in the config, seconds exported).
 SLO_KEYS = {"ttft_p95": "ttft_p95_ms", "tpot_p95": "tpot_p95_ms", "e2e_p95": "e2e_p95_ms"}
@@ -336,8 +330,11 @@ class PrometheusMetrics:
 
     # ---- exposition
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: Optional[Iterable[str]] = None) -> bytes:
+        """The exposition; with `names`, only those samples (prometheus_client's `name[]`
+        filter, which `tokenlane router` uses to scrape a replica several times a second)."""
+        names = list(names or ())
+        return generate_latest(self.registry.restricted_registry(names) if names else self.registry)
 
 
 def _remove(metric, *labels: str) -> None:

@@ -39,7 +39,8 @@ class StepPlan:
     finished: list[Request] = field(default_factory=list)
     # Sum of num_tokens over chunks; never above the step's token budget.
     num_batched_tokens: int = 0
-    # Block ids to copy before the step (copy-on-write of a shared last block): (src, dst).
+    # Block ids to copy before the step, (src, dst). Reserved for parallel sampling; always
+    # empty today (the scheduler never plans a copy).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property

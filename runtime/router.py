@@ -2,7 +2,7 @@
 it must be done. Pure functions of the config in force and the request's headers, so the
 decisions are testable without a server.
 
-Decisions (DESIGN.md §3.2):
+Decisions (the HTTP contract is in docs/architecture.md):
 - Tenant. With API keys configured (any tenant has `apiKeySha256`) every request needs
   `Authorization: Bearer <key>`; the key's SHA-256 is compared with every tenant's digest in
   constant time; missing or unknown key -> 401. With no keys configured the server is open

@@ -128,9 +128,6 @@ class Scheduler:
         self._batch_waiting_per_lane = counts
         self._rerank()
 
-    def lane_of(self, request: Request) -> Lane:
-        return self.lanes[request.lane]
-
     # ------------------------------------------------------------------ queries
 
     # Queries below may run on the event-loop thread while a step runs in the worker thread:
@@ -147,12 +144,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def waiting_requests(self) -> list[Request]:
-        out = list(self._batch_waiting)
-        for lane in self.lanes.values():
-            out.extend(lane.waiting_requests())
-        return out
 
     # ------------------------------------------------------------------ requests in
 

@@ -10,10 +10,14 @@ chunk that skips or repeats positions fails loudly.
 It returns logprobs too (`fake_logprob(position, token)`), and checks that a request that
 asks for prompt logprobs never starts a chunk past a prompt position whose logprob it does
 not have yet (it must not have taken those positions from the prefix cache).
+
+`StepGate` holds any executor's steps on demand (server tests use it to keep a request
+running, or queued, for as long as an assertion needs).
 """
 
 from __future__ import annotations
 
+import threading
 import zlib
 from typing import Callable, Optional
 
@@ -161,3 +165,72 @@ def make_config(
         scheduler=SchedulerConfig(**scheduler),  # type: ignore[arg-type]
         lanes=[_from_dict(LaneConfig, lane, "lanes") for lane in (lanes or [])],
     )
+
+
+class StepGate:
+    """Holds an executor's steps on demand, so a test can keep requests exactly where they
+    are (running, queued, holding KV blocks) for as long as it needs, without racing the
+    model's speed. While the gate is closed, the step in flight waits in the engine's step
+    thread before it computes; the asyncio front keeps serving (admission, metrics, aborts
+    are staged for the next step boundary).
+
+        with StepGate(engine.executor) as gate:
+            gate.pause_when(lambda plan: ...)  # close before the first step that matches
+            ...                                # drive requests
+            gate.wait_paused()                 # a step is now held
+            ...                                # assert on the frozen state
+        # leaving the block opens the gate and puts the executor's execute back
+    """
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self._execute = executor.execute
+        self._open = threading.Event()
+        self._open.set()
+        self._held = threading.Event()  # a step is waiting at the closed gate
+        self._lock = threading.Lock()
+        self._condition: Optional[Callable[[StepPlan], bool]] = None
+
+    def __enter__(self) -> "StepGate":
+        self.executor.execute = self._gated_execute
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.executor.execute = self._execute
+        with self._lock:
+            self._condition = None
+        self.resume()
+
+    def pause(self) -> None:
+        """Hold the next step (and every later one) until resume()."""
+        self._open.clear()
+
+    def pause_when(self, condition: Callable[[StepPlan], bool]) -> None:
+        """Hold the first step whose plan satisfies `condition` (checked in the step thread,
+        after scheduling, before computing), and every later one until resume()."""
+        with self._lock:
+            self._condition = condition
+
+    def resume(self) -> None:
+        """Let the held step (and the following ones) run; a pause_when condition set before
+        stays armed."""
+        with self._lock:
+            self._held.clear()
+            self._open.set()
+
+    def wait_paused(self, timeout_s: float = 60.0) -> None:
+        """Return once a step is held at the gate (AssertionError after `timeout_s`, a bound
+        for a broken test, not a timing assumption)."""
+        assert self._held.wait(timeout_s), "no step reached the closed gate"
+
+    def _gated_execute(self, plan: StepPlan) -> ExecutorOutput:
+        with self._lock:
+            if self._condition is not None and self._condition(plan):
+                self._condition = None
+                self._open.clear()
+            held = not self._open.is_set()
+            if held:
+                self._held.set()  # cleared by resume()
+        if held:
+            self._open.wait()
+        return self._execute(plan)

@@ -1,4 +1,4 @@
-"""Packaging and layering rules (DESIGN.md §2).
+"""Packaging and layering rules (docs/architecture.md, "Layers").
 
 - `import operator` from the repo root must find the standard library, not our operator/.
 - The built wheel contains every package folder (an editable or symlinked install hides a

@@ -2,7 +2,7 @@
 
     python -m tokenlane.runtime.bench.engine_vs_hf --json out.json
 
-Model (issue 2): LlamaConfig(vocab 32000, hidden 512, intermediate 1376, 4 layers, 8 heads,
+Model: LlamaConfig(vocab 32000, hidden 512, intermediate 1376, 4 layers, 8 heads,
 4 KV heads, untied embeddings), float32, random weights from torch.manual_seed(0).
 Workload: 64 requests from random.Random(0): for each request, prompt length U[16, 512],
 then max_new_tokens U[8, 128], then the prompt's token ids U[3, 32000); greedy; EOS

@@ -7,7 +7,7 @@ the same traffic, so the table and the ratios compare configurations, not luck.
   against the three-lane production config with continuousBatching true, then false.
 - lanes-flood: the interactive lane's trace traffic alone and then with a concurrent flood of
   8k-16k-token prompts in the long-context lane; with lanes + chunked prefill (budgets tuned for
-  the flood, and the DESIGN.md example budgets), with one FIFO lane and chunked prefill, and
+  the flood, and the production example budgets), with one FIFO lane and chunked prefill, and
   with one FIFO lane and no chunking.
 """
 
@@ -21,7 +21,7 @@ from tokenlane.runtime.bench.report import LaneSLO, slos_from_config
 from tokenlane.runtime.bench.trace import LaneMix, Traffic, TrafficSpec, build_requests, merge
 from tokenlane.runtime.config import RuntimeConfig
 
-# The DESIGN.md §3.3 example on a simulated H200 serving a Llama-3-8B-like model. Budgets are
+# The production example config (see docs/configuration.md) on a simulated H200 serving a Llama-3-8B-like model. Budgets are
 # the seed's; the KV pool is sized from gpuMemoryUtilization like vLLM does. Prefix caching is
 # off because the trace carries no prompt contents (nothing could be shared).
 PRODUCTION_CONFIG: dict[str, Any] = {

@@ -10,7 +10,7 @@ results (token append, stop checks, block hashing for the prefix cache, finished
 freed). Finished requests are replaced by new arrivals outside the timed region so the
 queue stays at 1,000. The timed region is exactly `schedule()` + `update_from_output()`.
 
-Target (issue 2): median < 0.5 ms at 256 running / 1,000 waiting. Prints a table of
+Target: median < 0.5 ms at 256 running / 1,000 waiting. Prints a table of
 p50/p90/p99 per running-set size and writes JSON.
 """
 

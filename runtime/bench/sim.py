@@ -281,10 +281,3 @@ def _progress(total: int, name: str):
         return None
     return tqdm(total=total, desc=f"simulate {name}", unit="req", leave=False)
 
-
-def with_engine(config: RuntimeConfig, **engine_fields) -> RuntimeConfig:
-    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine_fields))
-
-
-def with_scheduler(config: RuntimeConfig, **fields) -> RuntimeConfig:
-    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **fields))

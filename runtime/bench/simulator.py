@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from tokenlane.runtime.plan import ExecutorOutput, StepPlan
@@ -276,11 +276,6 @@ class VirtualClock:
 
     def advance_to(self, t: float) -> None:
         self.now = max(self.now, float(t))
-
-
-def with_overrides(profile: SimulatorProfile, **gpu_fields) -> SimulatorProfile:
-    """A profile with some GPU numbers replaced (e.g. calibrated efficiencies)."""
-    return SimulatorProfile(replace(profile.gpu, **gpu_fields), profile.model)
 
 
 ClockFn = Callable[[], float]

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
-engine_mod = pytest.importorskip(
-    "tokenlane.runtime.engine", reason="runtime/engine.py (the engine issue) is not there yet")
-pytest.importorskip("tokenlane.runtime.executor", reason="runtime/executor.py is not there yet")
-
-from tokenlane.runtime.config import (  # noqa: E402
+from tokenlane.runtime.config import (
     EngineConfig,
     ModelConfig,
     RuntimeConfig,
     SchedulerConfig,
 )
-from tokenlane.runtime.request import Request, SamplingParams  # noqa: E402
+from tokenlane.runtime.engine import LLMEngine
+from tokenlane.runtime.request import Request, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,7 +30,7 @@ def run_engine(model_dir, backend, prompts, max_tokens, chunk=8):
         scheduler=SchedulerConfig(max_batched_tokens=16, prefill_chunk_size=chunk,
                                   max_active_sequences=4),
     )
-    engine = engine_mod.LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(config)
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(f"r{i}", list(prompt), SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))

@@ -3,7 +3,7 @@ and tests/tuner (both conftests import it; the unique module name keeps --import
 from confusing it with another area's helpers).
 
 The kmock emulator (PyPI `kmock`, by kopf's author) serves the Kubernetes API over real HTTP
-on loopback; the operator logs in to it like to any cluster. Known limits (DESIGN.md §8): it
+on loopback; the operator logs in to it like to any cluster. Known limits: it
 serves only declared resources, PATCH is a plain dict merge, no validation, no garbage
 collection, no uid/generation bookkeeping (tests set them).
 

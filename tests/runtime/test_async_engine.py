@@ -71,9 +71,14 @@ async def test_abort_takes_effect_within_one_step():
     other = engine.submit(req("b", n=5, max_tokens=30))
     outs = [await stream.__anext__() for _ in range(3)]
     steps_before = len(ex.plans)
-    stream.abort()
+    staged = []
+    real_abort_request = engine.engine.abort_request
+    engine.engine.abort_request = lambda *args: (staged.append(args), real_abort_request(*args))
+    stream.abort("client_disconnect")
+    assert len(staged) == 1  # one abort, carrying its reason
     rest = await asyncio.wait_for(collect(stream), 5)
     assert rest[-1].finished and rest[-1].finish_reason is FinishReason.CANCELLED
+    assert rest[-1].finish_detail == "client_disconnect"  # the metrics' reason label
     # At most the step already running when abort() was called, plus the one that applies it.
     assert len(ex.plans) - steps_before <= 2
     assert sum(len(o.new_token_ids) for o in outs + rest) < 10

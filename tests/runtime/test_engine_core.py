@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from tokenlane.runtime.admission import AdmissionError
-from tokenlane.runtime.engine import LLMEngine
+from tokenlane.runtime.engine import LLMEngine, RestartRequired
 from tokenlane.runtime.request import FinishReason, Request, RequestStatus, SamplingParams
 from tokenlane.runtime.testing import FakeExecutor, make_config
 
@@ -284,8 +284,10 @@ def test_reload_applies_at_step_boundary_and_refuses_restart_fields():
     assert engine.config is new and engine.scheduler.num_running == 3
     assert rec.configs == [(True, "applied at step boundary")]
     bad = dataclasses.replace(new, engine=dataclasses.replace(new.engine, block_size=8))
-    with pytest.raises(ValueError, match="blockSize"):
+    with pytest.raises(RestartRequired, match="blockSize") as refused:
         engine.reload_config(bad)
+    assert refused.value.changed == ["engine.blockSize"]
+    assert str(refused.value).startswith("engine fields changed and need a restart")
     assert rec.configs[-1][0] is False
     drain(engine, clock)
 

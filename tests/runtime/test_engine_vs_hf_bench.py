@@ -10,7 +10,7 @@ import pytest
 from tokenlane.runtime.bench import engine_vs_hf as bench
 
 
-def test_workload_is_the_issue_workload():
+def test_workload_is_the_documented_workload():
     work = bench.make_workload()
     assert len(work) == 64
     assert work == bench.make_workload()  # random.Random(0): reproducible

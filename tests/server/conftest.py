@@ -21,7 +21,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.runtime.config import load_config
-from tokenlane.runtime.server import ServerOptions, create_app
+from tokenlane.runtime.app import ServerOptions, create_app
 
 BASIC_CONFIG = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}

@@ -49,6 +49,18 @@ def test_probes_and_models(shared_server):
         assert metrics.status_code == 200 and "tokenlane_kv_blocks_total" in metrics.text
 
 
+def test_metrics_name_filter_renders_only_the_named_samples(shared_server):
+    """`tokenlane router` scrapes replicas several times a second with prometheus_client's
+    `name[]` filter: only those samples come back, the rest of the exposition is left out."""
+    with shared_server.client() as c:
+        full = c.get("/metrics").text
+        some = c.get("/metrics", params=[("name[]", "tokenlane_kv_cache_usage_ratio"),
+                                         ("name[]", "tokenlane_requests_waiting")]).text
+    samples = {line.split("{")[0].split(" ")[0] for line in some.splitlines() if line and not line.startswith("#")}
+    assert samples == {"tokenlane_kv_cache_usage_ratio", "tokenlane_requests_waiting"}
+    assert "tokenlane_kv_blocks_total" in full and len(some) < len(full) / 5
+
+
 def test_greedy_completion_equals_engine(shared_server, reference):
     ids = encode_prompt(reference.tokenizer, PROMPT)
     ref_text, ref_ids, ref_reason = reference(ids, max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -53,8 +53,8 @@ def test_metrics_pass_promtool(shared_server):
     text = shared_server.metrics_text()
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     problems = [line for line in (check.stdout + check.stderr).splitlines() if line.strip()]
-    # DESIGN.md §3.4 names the KV pool size gauge `kv_blocks_total`; promtool's lint would
-    # reserve `_total` for counters. That one name is the contract; nothing else may fail.
+    # The metrics contract (docs/metrics.md) names the KV pool size gauge `kv_blocks_total`;
+    # promtool's lint would reserve `_total` for counters. That one name is the contract; nothing else may fail.
     assert all(p.startswith('tokenlane_kv_blocks_total non-counter') for p in problems), problems
     assert shared_server.metric("tokenlane_requests_total", model="tiny", lane="interactive", tenant="default",
                                 outcome="finished") >= 1

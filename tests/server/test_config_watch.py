@@ -8,7 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.runtime.config import load_config
 from tokenlane.runtime.config_watch import ConfigWatcher
+from tokenlane.runtime.engine import LLMEngine
 from tokenlane.runtime.metrics import PrometheusMetrics
+from tokenlane.runtime.testing import FakeExecutor
 
 BASE = """
 model: {path: /models/tiny}
@@ -19,18 +21,13 @@ lanes:
 """
 
 
-class FakeEngine:
-    """Records reloads; refuses what LLMEngine.reload_config refuses (restart fields)."""
-
-    def __init__(self, config):
-        self.config = config
-        self.reloaded = []
-
-    def reload_config(self, new):
-        if not self.config.reloadable_changes_only(new):
-            raise ValueError("model/engine fields changed")
-        self.config = new
-        self.reloaded.append(new)
+def real_engine(config, metrics=None) -> LLMEngine:
+    """A real engine (fake executor): its reload_config decides what needs a restart, and its
+    next step applies a staged config and tells its observers (the metrics)."""
+    engine = LLMEngine(config, FakeExecutor())
+    if metrics is not None:
+        engine.add_observer(metrics)
+    return engine
 
 
 def sample(metrics: PrometheusMetrics, name: str, **labels) -> float:
@@ -42,17 +39,32 @@ def sample(metrics: PrometheusMetrics, name: str, **labels) -> float:
 
 
 def settle(watcher):
-    """Two polls: a change is judged once the file looked the same on two ticks."""
+    """Two polls (a change is judged once the file looked the same on two ticks), then an
+    engine step (a staged config is applied at the step boundary)."""
     first = watcher.check()
-    return first if first is not None else watcher.check()
+    result = first if first is not None else watcher.check()
+    watcher.target.step()
+    return result
 
 
 def make(tmp_path, path):
     cfg = load_config(path)
-    engine = FakeEngine(cfg)
-    metrics = PrometheusMetrics(cfg.model.name)
+    metrics = CountingMetrics(cfg.model.name)
     metrics.set_config(cfg)
+    engine = real_engine(cfg, metrics)
     return engine, metrics, ConfigWatcher(path, cfg, engine, recorder=metrics, interval_s=0.01)
+
+
+class CountingMetrics(PrometheusMetrics):
+    """Counts set_config calls: a reload must export its config exactly once."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.set_config_calls = 0
+
+    def set_config(self, config) -> None:
+        self.set_config_calls += 1
+        super().set_config(config)
 
 
 def test_valid_invalid_and_restart_changes(tmp_path, caplog):
@@ -66,6 +78,7 @@ def test_valid_invalid_and_restart_changes(tmp_path, caplog):
     assert engine.config.lane_budgets("interactive").max_batched_tokens == 96
     assert sample(metrics, "tokenlane_lane_budget", lane="interactive", budget="maxBatchedTokens") == 96
     assert sample(metrics, "tokenlane_config_reloads_total", result="success") == 1
+    assert metrics.set_config_calls == 2  # at start, then once for the reload
 
     caplog.clear()
     path.write_text(BASE.replace("maxBatchedTokens: 128", "maxBatchedTokens: -1"))
@@ -79,9 +92,10 @@ def test_valid_invalid_and_restart_changes(tmp_path, caplog):
 
     path.write_text(BASE.replace("/models/tiny", "/models/other"))
     assert settle(watcher) == "restart_required"
-    assert "need a restart" in watcher.last_message and "model" in watcher.last_message
+    assert "need a restart" in watcher.last_message and "model.path" in watcher.last_message
     assert sample(metrics, "tokenlane_config_reloads_total", result="restart_required") == 1
-    assert len(engine.reloaded) == 1
+    assert engine.config.model.path == "/models/tiny"
+    assert metrics.set_config_calls == 2  # refused reloads export nothing
 
     # Back to a valid reloadable change: applied again.
     path.write_text(BASE.replace("maxBatchedTokens: 128", "maxBatchedTokens: 64"))
@@ -122,7 +136,7 @@ def test_overrides_are_reapplied_to_new_versions(tmp_path):
         return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_cache_blocks=64))
 
     cfg = override(load_config(path))
-    engine = FakeEngine(cfg)
+    engine = real_engine(cfg)
     watcher = ConfigWatcher(path, cfg, engine, transform=override)
     path.write_text(BASE.replace("maxBatchedTokens: 128", "maxBatchedTokens: 100"))
     assert settle(watcher) == "success"
@@ -140,3 +154,4 @@ def test_a_half_written_file_is_not_judged(tmp_path):
     assert watcher.check() is None  # changed again: wait one more tick
     assert watcher.check() == "success"
     assert sample(metrics, "tokenlane_config_reloads_total", result="invalid") == 0
+    assert watcher.config.lane_budgets("interactive").max_batched_tokens == 100

@@ -13,7 +13,7 @@ import pytest
 from tokenlane.runtime.config import loads_config
 from tokenlane.runtime.metrics import INVALID_REASONS, PrometheusMetrics
 from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
-from tokenlane.runtime.server import RequestLog
+from tokenlane.runtime.http_errors import RequestLog
 
 POSTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tokenlane.runtime.config import hash_api_key
+from tokenlane.runtime.testing import StepGate
 
 # One sequence runs at a time; the batch lane queues one request; interactive requests time
 # out after 300 ms in the queue; the KV pool is 64 blocks of 16 tokens, rejecting at 40%.
@@ -48,11 +49,20 @@ def wait_idle(live, timeout=20.0):
     live.wait_metric("tokenlane_requests_waiting", lambda v: v == 0, timeout=timeout)
 
 
-class Hog:
-    """A long streaming request that holds the only running slot until closed (by default
-    below the KV reject watermark: 388 tokens are 25 of 64 blocks)."""
+def decoding(plan) -> bool:
+    """A step that decodes: some request in it has its first token already."""
+    return any(chunk.request.num_output_tokens for chunk in plan.chunks)
 
-    def __init__(self, live, prompt_tokens=8, max_tokens=380, headers=BETA):
+
+class Hog:
+    """A long streaming request that holds the only running slot: the engine's steps are
+    held (StepGate) from its first decode step until close(), so it cannot finish however
+    fast the machine is. By default below the KV reject watermark (388 tokens are 25 of 64
+    blocks). `hold_when` picks the step to hold at (default: its first decode step)."""
+
+    def __init__(self, live, prompt_tokens=8, max_tokens=380, headers=BETA, hold_when=decoding):
+        self.gate = StepGate(live.engine.executor).__enter__()
+        self.gate.pause_when(hold_when)
         self.client = httpx.Client(base_url=live.url, timeout=60)
         self.cm = self.client.stream(
             "POST", "/v1/completions", headers=headers,
@@ -60,12 +70,16 @@ class Hog:
                   "ignore_eos": True, "stream": True})
         self.response = self.cm.__enter__()
         assert self.response.status_code == 200, self.response.read()
-        self.lines = self.response.iter_lines()
-        next(self.lines)  # its first token arrived: it runs
+        self.gate.wait_paused()  # it runs, and its next step is held
+
+    def release(self):
+        """Let the engine step again (the hog then runs on, until closed)."""
+        self.gate.resume()
 
     def close(self):
         self.cm.__exit__(None, None, None)
         self.client.close()
+        self.gate.__exit__(None, None, None)
 
 
 def assert_error(r, status, code=None, retry_after=False):
@@ -101,22 +115,21 @@ def test_429_queue_full(tight):
     wait_idle(tight)
     hog = Hog(tight)
     batch = {**BETA, "X-Lane": "batch"}
+    results = {}
+
+    def queued():  # waits in the batch queue behind the hog
+        results["queued"] = httpx.post(tight.url + "/v1/completions", headers=batch, timeout=60,
+                                       json={"prompt": [5, 6, 7], "max_tokens": 2})
+
+    t = threading.Thread(target=queued)
     try:
-        results = {}
-
-        def queued():  # waits in the batch queue behind the hog
-            results["queued"] = httpx.post(tight.url + "/v1/completions", headers=batch, timeout=60,
-                                           json={"prompt": [5, 6, 7], "max_tokens": 2})
-
-        t = threading.Thread(target=queued)
         t.start()
         tight.wait_metric("tokenlane_requests_waiting", lambda v: v >= 1, lane="batch")
-        started = time.monotonic()
+        # Answered while the engine is held: at once, not after the hog.
         full = httpx.post(tight.url + "/v1/completions", headers=batch, json={"prompt": [5, 6], "max_tokens": 2})
         assert_error(full, 429, "queue_full", retry_after=True)
         assert full.json()["error"]["type"] == "rate_limit_error"
         assert full.headers["x-lane"] == "batch"
-        assert time.monotonic() - started < 5.0  # answered at once, not after the hog
     finally:
         hog.close()
     t.join(timeout=60)
@@ -127,15 +140,27 @@ def test_429_queue_full(tight):
 def test_504_queue_timeout(tight):
     wait_idle(tight)
     hog = Hog(tight)
+    results = {}
+
+    def queued():  # the interactive lane times out after 300 ms in the queue
+        results["queued"] = httpx.post(tight.url + "/v1/completions", headers=BETA, timeout=60,
+                                       json={"prompt": [5, 6, 7], "max_tokens": 2})
+
+    t = threading.Thread(target=queued)
     try:
-        started = time.monotonic()
-        r = httpx.post(tight.url + "/v1/completions", headers=BETA, timeout=60,
-                       json={"prompt": [5, 6, 7], "max_tokens": 2})
-        assert_error(r, 504, "queue_timeout")
-        assert r.headers["x-lane"] == "interactive"
-        assert time.monotonic() - started >= 0.3
+        t.start()
+        tight.wait_metric("tokenlane_requests_waiting", lambda v: v >= 1, lane="interactive")
+        # It arrived before it was counted: 0.4 s later its 300 ms in the queue are over for
+        # sure. The hog still holds the only slot (the engine is held mid-generation), so the
+        # next step boundary times the queued request out.
+        time.sleep(0.4)
+        hog.release()
+        t.join(timeout=60)
     finally:
         hog.close()
+    r = results["queued"]
+    assert_error(r, 504, "queue_timeout")
+    assert r.headers["x-lane"] == "interactive"
     tight.wait_metric("tokenlane_requests_total", lambda v: v >= 1, outcome="timeout", lane="interactive")
 
 
@@ -150,24 +175,18 @@ def test_429_deadline_cannot_be_met(tight):
 
 def test_503_at_the_kv_reject_watermark(tight, caplog):
     wait_idle(tight)
-    # 300 prompt + 200 output tokens: past 40% of the 64 blocks after ~110 tokens, leaving a
-    # window of ~90 decode steps; slow each step down so a loaded machine cannot miss it.
-    executor = tight.engine.executor
-    fast_execute = executor.execute
-
-    def slow_execute(plan):
-        time.sleep(0.02)
-        return fast_execute(plan)
-
-    executor.execute = slow_execute
-    hog = Hog(tight, prompt_tokens=300, max_tokens=200, headers={**BETA, "X-Lane": "batch"})
+    kv = tight.engine.scheduler.kv
+    # 300 prompt + 200 output tokens pass 40% of the 64 blocks part way: the engine is held
+    # at the first step that starts with the pool that full.
+    hog = Hog(tight, prompt_tokens=300, max_tokens=200, headers={**BETA, "X-Lane": "batch"},
+              hold_when=lambda plan: kv.usage >= 0.4)
     try:
         tight.wait_metric("tokenlane_kv_cache_usage_ratio", lambda v: v >= 0.4)
         with caplog.at_level(logging.INFO, logger="tokenlane.requests"):
             r = httpx.post(tight.url + "/v1/completions", headers=BETA, json={"prompt": [5, 6], "max_tokens": 2})
         assert_error(r, 503, "kv_watermark", retry_after=True)
         assert r.json()["error"]["type"] == "service_unavailable_error"
-        # One structured log line, with the request id the client got (issue 13).
+        # One structured log line, with the request id the client got.
         lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "tokenlane.requests"]
         (line,) = [x for x in lines if x["request_id"] == r.headers["X-Request-Id"]]
         assert (line["event"], line["status"], line["reason"]) == ("request_refused", 503, "kv_watermark")
@@ -175,7 +194,6 @@ def test_503_at_the_kv_reject_watermark(tight, caplog):
         assert httpx.get(tight.url + "/health").status_code == 200
     finally:
         hog.close()
-        executor.execute = fast_execute
     tight.wait_metric("tokenlane_kv_cache_usage_ratio", lambda v: v == 0)
 
 

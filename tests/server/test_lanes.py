@@ -9,6 +9,8 @@ import threading
 
 import httpx
 
+from tokenlane.runtime.testing import StepGate
+
 LANES = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}
 engine: {{blockSize: 16, kvCacheBlocks: 512, device: cpu}}
@@ -64,19 +66,26 @@ def test_batch_flood_does_not_stall_interactive_streams(serve):
         assert len(events) > 2  # streamed, not one piece
         return events[-1]["usage"]["completion_tokens"], asyncio.get_running_loop().time()
 
-    async def main():
+    def queued(lane: str) -> float:
+        return live.metric("tokenlane_requests_waiting", lane=lane) + live.metric("tokenlane_requests_running", lane=lane)
+
+    async def main(gate: StepGate):
         async with httpx.AsyncClient(base_url=live.url, timeout=120,
                                      limits=httpx.Limits(max_connections=64)) as client:
+            # The engine is held until the whole flood and every interactive stream are in,
+            # so the streams meet the flood at its start however slowly the clients start.
             flood = [asyncio.create_task(batch(client, i)) for i in range(BATCH_REQUESTS)]
-            # Interactive streams start once the flood is queued and being prefilled.
-            while live.metric("tokenlane_requests_waiting", lane="batch") + \
-                    live.metric("tokenlane_requests_running", lane="batch") < BATCH_REQUESTS // 2:
+            while queued("batch") < BATCH_REQUESTS:
                 await asyncio.sleep(0.01)
-            streams = await asyncio.gather(*[interactive(client, i) for i in range(INTERACTIVE_STREAMS)])
-            batch_done = await asyncio.gather(*flood)
-            return streams, batch_done
+            streams = asyncio.gather(*[interactive(client, i) for i in range(INTERACTIVE_STREAMS)])
+            while queued("interactive") < INTERACTIVE_STREAMS:
+                await asyncio.sleep(0.01)
+            gate.resume()
+            return await streams, await asyncio.gather(*flood)
 
-    streams, batch_done = asyncio.run(main())
+    with StepGate(live.engine.executor) as gate:
+        gate.pause()
+        streams, batch_done = asyncio.run(main(gate))
     assert [tokens for tokens, _ in streams] == [INTERACTIVE_TOKENS] * INTERACTIVE_STREAMS
     # The interactive streams were done before the flood was.
     assert max(t for _, t in streams) < max(batch_done)

@@ -56,14 +56,15 @@ def tok_str(tokenizer, token_id):
 def wait_idle(live, timeout=20.0):
     """Wait until the engine holds no request; then its books must balance with no block used."""
     engine = live.engine
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "requests left running"
-        time.sleep(0.02)
-    time.sleep(0.05)  # let the loop finish the step that drained them
-    engine.scheduler.check_invariants()
     kv = engine.scheduler.kv
-    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+    deadline = time.monotonic() + timeout
+    # The step that finished the last request frees its blocks before it returns: wait for
+    # both, rather than for a guessed time after the first.
+    while engine.has_unfinished_requests() or kv.num_free_blocks != kv.num_blocks:
+        assert time.monotonic() < deadline, (
+            "requests left running" if engine.has_unfinished_requests() else "KV blocks leaked")
+        time.sleep(0.02)
+    engine.scheduler.check_invariants()
 
 
 def legacy_as_dict(lp) -> dict:

@@ -9,6 +9,8 @@ import logging
 
 import httpx
 
+from tokenlane.runtime.testing import StepGate
+
 CONFIG = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}
 engine: {{blockSize: 16, kvCacheBlocks: 256, device: cpu}}
@@ -40,21 +42,34 @@ def test_budget_change_applies_under_load_and_bad_files_are_refused(serve, caplo
             events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]
         return events[-1]["usage"]["completion_tokens"], events[-2]["choices"][0]["finish_reason"]
 
-    async def main():
+    def decoding(plan) -> bool:
+        return any(chunk.request.num_output_tokens for chunk in plan.chunks)
+
+    def reloaded(plan) -> bool:
+        return live.engine.config.lane_budgets("interactive").max_batched_tokens == 48
+
+    async def main(gate: StepGate):
         async with httpx.AsyncClient(base_url=live.url, timeout=120) as client:
             tasks = [asyncio.create_task(one(client, i)) for i in range(N_REQUESTS)]
-            while live.metric("tokenlane_generation_tokens_total") == 0 and \
-                    live.metric("tokenlane_requests_running") == 0:
-                await asyncio.sleep(0.01)
-            # Requests are running: change the interactive lane's token budget in the file.
+            await asyncio.to_thread(gate.wait_paused)
+            # Requests are running, held mid-generation: change the interactive lane's token
+            # budget in the file, and wait for the watcher to hand it to the engine.
             live.config_path.write_text(original.replace("maxBatchedTokens: 128}", "maxBatchedTokens: 48}"))
-            while budget(live) != 48:
+            while live.state.watcher.last_result != "success":
                 await asyncio.sleep(0.02)
-            finished_at_reload = live.metric("tokenlane_requests_total", outcome="finished")
-            return await asyncio.gather(*tasks), finished_at_reload
+            # The engine applies it at the next step boundary; hold the step right after.
+            gate.pause_when(reloaded)
+            gate.resume()
+            await asyncio.to_thread(gate.wait_paused)
+            assert budget(live) == 48
+            finished = live.metric("tokenlane_requests_total", outcome="finished")
+            gate.resume()
+            return await asyncio.gather(*tasks), finished
 
-    results, finished_at_reload = asyncio.run(main())
-    assert finished_at_reload < N_REQUESTS  # the reload landed while requests were in flight
+    with StepGate(live.engine.executor) as gate:
+        gate.pause_when(decoding)
+        results, finished_at_reload = asyncio.run(main(gate))
+    assert finished_at_reload == 0  # the reload landed while the requests were in flight
     assert results == [(MAX_TOKENS, "length")] * N_REQUESTS  # nothing dropped or cut short
     assert live.engine.config.lane_budgets("interactive").max_batched_tokens == 48
     assert live.metric("tokenlane_config_reloads_total", result="success") == 1

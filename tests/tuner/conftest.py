@@ -31,7 +31,7 @@ class FakeMetrics:
         self.calls: list[tuple] = []
 
     async def __call__(self, url, model, window_s, lanes, *, namespace=None):
-        from tokenlane.operator.tuner import MetricSample
+        from tokenlane.operator.tuner_types import MetricSample
 
         self.calls.append((url, model, window_s, tuple(lanes), namespace))
         if self.sample is None:

@@ -14,16 +14,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from tokenlane.operator.tuner import (
+from tokenlane.operator.tuner import decide
+from tokenlane.operator.tuner_types import (
     Decision,
     EffectiveBudgets,
     LaneMetrics,
     LaneTarget,
     MetricSample,
     TunerSettings,
-    apply_budgets,
-    budgets_from_config,
-    decide,
 )
 from tokenlane.runtime.admission import AdmissionError
 from tokenlane.runtime.bench.sim import request_of
@@ -32,6 +30,7 @@ from tokenlane.runtime.bench.trace import PlannedRequest
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.engine import LLMEngine
 from tokenlane.runtime.request import Request, RequestStatus
+from tuner_helpers import apply_budgets
 
 OK_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 FAILED_STATUSES = (RequestStatus.FINISHED_REJECTED, RequestStatus.FINISHED_TIMEOUT)
@@ -137,7 +136,7 @@ def run(
     engine.add_observer(obs)
     pending = deque(sorted(requests, key=lambda p: p.arrival_s))
     result = LoopResult()
-    budgets = budgets_from_config(config)
+    budgets = EffectiveBudgets.from_config(config)
     history: list = []
     lane_names = [lane.name for lane in lanes]
     next_tick, last_preempt, tick_kv = interval_s, 0, 0.0

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 from sim_loop import OK_STATUSES, flood_traffic, run
+from tuner_helpers import lane_targets
 
-from tokenlane.operator.tuner import Bounds, TunerSettings, lane_targets
+from tokenlane.operator.tuner_types import Bounds, TunerSettings
 from tokenlane.runtime.config import loads_config
 
 CONFIG = """

@@ -21,18 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tuner_helpers import apply_budgets, lane_targets
 
 from tokenlane.operator.prometheus import PrometheusClient, queries
 from tokenlane.operator.tuning import read_prometheus
-from tokenlane.operator.tuner import (
-    ADJUST,
-    Bounds,
-    TunerSettings,
-    apply_budgets,
-    budgets_from_config,
-    decide,
-    lane_targets,
-)
+from tokenlane.operator.tuner import decide
+from tokenlane.operator.tuner_types import ADJUST, Bounds, EffectiveBudgets, TunerSettings
 from tokenlane.runtime.config import dumps_config, load_config
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -179,7 +173,7 @@ def test_tuner_reads_prometheus_changes_a_budget_and_the_runtime_reloads_it(stac
     assert sample.lanes["interactive"].tpot_p95_s is not None
     assert sample.kv_usage is not None
 
-    decision = decide(lanes, settings, budgets_from_config(config), sample, [], time.time())
+    decision = decide(lanes, settings, EffectiveBudgets.from_config(config), sample, [], time.time())
     assert decision.action == ADJUST, decision.reason
     assert decision.slo["interactive"].met is False and decision.slo["interactive"].reason == "TtftAboveTarget"
     change = decision.changes[0]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tokenlane.operator import k8s
-from tokenlane.operator.tuner import LaneMetrics, MetricSample
+from tokenlane.operator.tuner_types import LaneMetrics, MetricSample
 from tokenlane.runtime.config import loads_config
 
 NS = "tokenlane-demo"

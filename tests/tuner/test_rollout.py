@@ -15,7 +15,7 @@ from tokenlane.operator.rollout import (
     parse_duration,
     revision_of,
 )
-from tokenlane.operator.tuner import LaneMetrics, LaneTarget, MetricSample
+from tokenlane.operator.tuner_types import LaneMetrics, LaneTarget, MetricSample
 
 LANES = [LaneTarget("interactive", "interactive", 100, ttft_p95_ms=500, tpot_p95_ms=60),
          LaneTarget("batch", "batch", 10)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from tuner_helpers import SETTINGS, budgets, lanes, sample
 
-from tokenlane.operator.tuner import (
+from tokenlane.operator.tuner import decide
+from tokenlane.operator.tuner_types import (
     ADJUST,
     HOLD,
     PROBE,
@@ -14,7 +15,6 @@ from tokenlane.operator.tuner import (
     EffectiveBudgets,
     LaneMetrics,
     MetricSample,
-    decide,
 )
 
 NOW = 10_000.0

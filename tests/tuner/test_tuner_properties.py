@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tuner_helpers import SETTINGS, Plant, budgets, lanes
 
-from tokenlane.operator.tuner import (
+from tokenlane.operator.tuner import decide
+from tokenlane.operator.tuner_types import (
     GLOBAL,
     REVERT,
     EffectiveBudgets,
     LaneMetrics,
     MetricSample,
-    decide,
 )
 
 LANES = lanes(with_long=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from tokenlane.operator import builders, tuning
+from tokenlane.operator import builders, rollout, tuning
 from tokenlane.operator.model import parse_model_service, parse_serving_lane
-from tokenlane.operator.tuner import Bounds, EffectiveBudgets
+from tokenlane.operator.tuner_types import Bounds, EffectiveBudgets
 
 SAMPLES = Path(__file__).parents[2] / "manifests" / "samples" / "tiny-cpu.yaml"
 
@@ -74,15 +74,15 @@ def test_diff_patch_deletes_with_none():
 
 def test_spec_revision_ignores_status_overrides_and_replicas():
     msvc, lanes = _parsed({"enabled": False})
-    rev, _ = tuning.spec_revision(msvc, lanes)
+    rev, _ = rollout.spec_revision(msvc, lanes)
     scaled = parse_model_service({"metadata": {"name": "tiny", "namespace": "tokenlane-demo"},
                                   "spec": {**msvc.spec, "replicas": 3},
                                   "status": {"overrides": {"lanes": {"batch": {"maxBatchedTokens": 128}}}}})
-    assert tuning.spec_revision(scaled, lanes)[0] == rev
+    assert rollout.spec_revision(scaled, lanes)[0] == rev
     changed = parse_model_service({"metadata": {"name": "tiny", "namespace": "tokenlane-demo"},
                                    "spec": {**msvc.spec,
                                             "scheduler": {**msvc.spec["scheduler"], "prefillChunkSize": 64}}})
-    assert tuning.spec_revision(changed, lanes)[0] != rev
+    assert rollout.spec_revision(changed, lanes)[0] != rev
 
 
 async def test_read_prometheus_selects_the_namespace(monkeypatch):
@@ -108,7 +108,7 @@ def test_runtime_config_lane_bounds_stop_at_the_global_budget():
     """A lane cap above the global budget is not in force: the runtime.yaml adapter (used by the
     real-Prometheus test and the closed-loop simulation) narrows bounds as the operator does, or
     the tuner would raise a lane's prefillChunkSize 128 -> 160 that never shows in /metrics."""
-    from tokenlane.operator.tuner import lane_targets
+    from tuner_helpers import lane_targets
     from tokenlane.runtime.config import loads_config
 
     config = loads_config("""
@@ -122,3 +122,16 @@ lanes:
     assert target.bounds["prefillChunkSize"] == Bounds(32, 128)
     assert target.bounds["maxActiveSequences"] == Bounds(4, 16)
     assert target.bounds["maxBatchedTokens"] == Bounds(256, 256)  # a floor above the cap collapses to it
+
+
+def test_a_new_revision_after_the_fallback_drops_the_fallback_overrides_only():
+    """The fallback scaled the global budgets and turned static batching on; a new spec revision
+    ends it, leaving the tuner's own values (lane caps, the high watermark) in place."""
+    overrides = {"engine": {"continuousBatching": False},
+                 "scheduler": {"maxBatchedTokens": 256, "maxActiveSequences": 4, "prefillChunkSize": 64,
+                               "kvCacheHighWatermark": 0.86},
+                 "lanes": {"batch": {"maxBatchedTokens": 384}}}
+    assert tuning._without_fallback(overrides) == {"scheduler": {"kvCacheHighWatermark": 0.86},
+                                                   "lanes": {"batch": {"maxBatchedTokens": 384}}}
+    assert tuning._without_fallback({"engine": {"continuousBatching": False},
+                                     "scheduler": {"maxBatchedTokens": 256}}) == {}

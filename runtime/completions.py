@@ -1,0 +1,476 @@
+"""/v1/completions and /v1/chat/completions: a request body becomes one engine request per
+prompt (a batch shares lane, tenant and deadline), then a JSON body or a stream of SSE events.
+
+A batch is all or nothing: a prompt refused at admission, or one that fails part way,
+cancels the others, and the cause (not the prompts cancelled because of it) decides the
+status. The first output of every prompt is awaited before answering, so a queue timeout or
+late rejection still gets its own status (504/429/503) rather than a 200 and an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from tokenlane.runtime.admission import AdmissionError
+from tokenlane.runtime.http_errors import (
+    api_error_response,
+    error_of_final,
+    error_response,
+    log_refusal,
+    refused_before_admission,
+)
+from tokenlane.runtime.logprobs import CompletionLogprobs, chat_logprobs_content, vllm_prompt_logprobs
+from tokenlane.runtime.protocol import (
+    APIError,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
+from tokenlane.runtime.request import FinishReason, Request, SamplingParams
+from tokenlane.runtime.router import Caller, choose_lane, parse_deadline_ms
+from tokenlane.runtime.sse import DONE_EVENT, ClientGone, EventStreamResponse, sse_event, until_disconnect
+from tokenlane.runtime.text_codec import TextCodec
+
+if TYPE_CHECKING:
+    from tokenlane.runtime.app import ServerState
+
+log = logging.getLogger("tokenlane.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+TOKENIZE_INLINE_MAX_CHARS = 8192  # longer prompts are tokenized in a worker thread
+
+
+def _finish_reason(reason: Optional[FinishReason]) -> Optional[str]:
+    if reason is None:
+        return None
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return reason.value
+    return "abort"
+
+
+@dataclasses.dataclass
+class _Want:
+    """What the response shows besides text, from the body."""
+
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
+    logprobs: Optional[int] = None  # top-k per generated token (chat: top_logprobs); None = off
+    prompt_logprobs: Optional[int] = None  # vLLM's extension; None = off
+
+    @classmethod
+    def of(cls, body, chat: bool) -> "_Want":
+        if chat:
+            return cls(logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        return cls(echo=body.echo, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
+
+    @property
+    def engine_prompt_logprobs(self) -> Optional[int]:
+        """The top-k the engine computes per prompt token: enough for echo and the extension."""
+        ks = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(ks) if ks else None
+
+
+@dataclasses.dataclass
+class _Job:
+    """One prompt of a request (a batch has several): its engine request and stream."""
+
+    index: int  # choices[].index
+    request: Request
+    prompt_text: Optional[str]  # for echo
+    stream: Any = None  # RequestStream once submitted
+    first: Any = None  # its first RequestOutput
+    finished: bool = False  # its final output arrived
+    aborted: bool = False  # we cancelled it
+    started: bool = False  # streaming: its first chunk went out
+
+
+def _prompt_ids(state: ServerState, prompt, where: str) -> list[int]:
+    if isinstance(prompt, str):
+        ids = state.codec.encode(prompt)
+    else:
+        ids = list(prompt)
+        vocab = state.vocab_size
+        if vocab is not None and ids and max(ids) >= vocab:
+            raise APIError(400, f"{where}: token id {max(ids)} is out of the vocabulary (size {vocab})",
+                           code="invalid_token_id", param="prompt")
+    if not ids:
+        raise APIError(400, f"{where} encodes to zero tokens", code="empty_prompt", param="prompt")
+    return ids
+
+
+def _text_chars(body, chat: bool) -> int:
+    if chat:
+        return sum(len(m.text()) for m in body.messages)
+    return sum(len(p) for p in body.prompts if isinstance(p, str))
+
+
+def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, chat: bool,
+                base_id: str) -> list[_Job]:
+    """One engine request per prompt (a batch shares the lane, tenant, deadline and body)."""
+    config = state.config
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       code="model_not_found", param="model")
+    want = _Want.of(body, chat)
+    if (want.logprobs is not None or want.engine_prompt_logprobs is not None) and not state.supports_logprobs:
+        raise APIError(400, "logprobs need the model executor (this server runs the simulated one)",
+                       code="invalid_parameter", param="logprobs" if want.logprobs is not None else "prompt_logprobs")
+    if chat:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompts: list[tuple[list[int], Optional[str]]] = [(state.codec.encode_chat(messages), None)]
+    else:
+        batch = body.prompts
+        prompts = []
+        for i, prompt in enumerate(batch):
+            ids = _prompt_ids(state, prompt, f"prompt[{i}]" if len(batch) > 1 else "prompt")
+            text = None
+            if want.echo:
+                text = prompt if isinstance(prompt, str) else state.codec.decode(ids)
+            prompts.append((ids, text))
+    logit_bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+    vocab = state.vocab_size
+    if vocab is not None and logit_bias and max(logit_bias) >= vocab:
+        raise APIError(400, f"logit_bias: token id {max(logit_bias)} is out of the vocabulary (size {vocab})",
+                       code="invalid_token_id", param="logit_bias")
+    # A batch goes to one lane, chosen by its longest prompt.
+    lane = choose_lane(config, caller, http.headers, max(len(ids) for ids, _ in prompts))
+    deadline_ms = parse_deadline_ms(http.headers)
+    max_len = state.engine.max_model_len
+    now = state.engine.clock()
+    jobs = []
+    for i, (prompt_ids, text) in enumerate(prompts):
+        max_tokens = body.requested_max_tokens if chat else body.max_tokens
+        if max_tokens is None:
+            # Chat: whatever fits in the model (OpenAI's default); completions: OpenAI's 16.
+            max_tokens = max(1, max_len - len(prompt_ids)) if chat else DEFAULT_COMPLETION_MAX_TOKENS
+        if len(prompt_ids) + max_tokens > max_len:
+            which = f"prompt {i} of the batch" if len(prompts) > 1 else "prompt"
+            raise APIError(
+                400,
+                f"{which} ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"maximum length of {max_len} tokens",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                           code="invalid_parameter", param="min_tokens")
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(0, body.top_k),
+                seed=body.seed,
+                stop_token_ids=list(body.stop_token_ids or []),
+                stop=list(body.stop or []),
+                ignore_eos=body.ignore_eos,
+                logprobs=want.logprobs,
+                prompt_logprobs=want.engine_prompt_logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=logit_bias,
+                min_p=body.min_p,
+                min_tokens=body.min_tokens,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_parameter") from None
+        request = Request(
+            request_id=base_id if i == 0 else f"{base_id}-{i}",
+            prompt_token_ids=prompt_ids,
+            sampling_params=sampling,
+            lane=lane,
+            tenant=caller.tenant,
+            priority=body.priority,
+            deadline=None if deadline_ms is None else now + deadline_ms / 1000.0,
+            arrival_time=now,
+        )
+        jobs.append(_Job(i, request, text))
+    return jobs
+
+
+def _abort_jobs(jobs: list[_Job], why: str) -> None:
+    """Cancel every job still running (their KV blocks are freed at the next step)."""
+    for job in jobs:
+        if job.stream is not None and not job.finished and not job.aborted:
+            job.aborted = True
+            _abort(job.stream, why)
+
+
+async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, chat: bool):
+    # While draining, submit() refuses with 503 "draining" (and the engine counts it).
+    base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        if _text_chars(body, chat) > TOKENIZE_INLINE_MAX_CHARS:
+            # Long texts are tokenized off the event loop, so other streams are not held up.
+            jobs = await asyncio.to_thread(_build_jobs, state, caller, body, http, chat, base_id)
+        else:
+            jobs = _build_jobs(state, caller, body, http, chat, base_id)
+    except APIError as exc:
+        return refused_before_admission(state, http, exc, base_id)
+    head = jobs[0].request
+    routing = {"X-Lane": head.lane, "X-Tenant": head.tenant, "X-Request-Id": head.request_id}
+    for job in jobs:
+        try:
+            job.stream = state.async_engine.submit(job.request)
+        except AdmissionError as exc:
+            # All or nothing: the prompts admitted before this one are cancelled at once.
+            _abort_jobs(jobs, "batch_rejected")
+            message = exc.message if len(jobs) == 1 else f"prompt {job.index} of the batch was refused: {exc.message}"
+            return error_response(exc.status, message, code=exc.reason,
+                                  retry_after_s=exc.retry_after_s, headers=routing)
+
+    # Wait for every prompt's first output before answering, so a queue timeout or late
+    # rejection still gets its own status (504/429/503) instead of a 200 followed by an error.
+    async def first_of(job: _Job) -> None:
+        try:
+            job.first = await job.stream.__anext__()
+        except StopAsyncIteration:
+            job.first = None
+            return
+        job.finished = job.first.finished
+
+    try:
+        await until_disconnect(asyncio.gather(*(first_of(job) for job in jobs)), http.receive)
+    except ClientGone:
+        _abort_jobs(jobs, "client_disconnect")
+        return Response(status_code=499)
+    except BaseException:
+        _abort_jobs(jobs, "server_error")
+        raise
+    if any(job.first is None for job in jobs):
+        _abort_jobs(jobs, "server_error")
+        log_refusal(head.request_id, head.lane, head.tenant, 500, "engine_error", "no output", refused=False)
+        return error_response(500, "engine closed the request stream without an output", code="engine_error",
+                              headers=routing)
+    for job in jobs:
+        err = error_of_final(job.first) if job.first.finished and not job.first.new_token_ids else None
+        if err is not None:
+            _abort_jobs(jobs, "batch_failed")
+            return api_error_response(err, headers=routing)
+
+    # Time from arrival to first schedule (known once the first output is out); benchmarks
+    # read it (tokenlane bench: queue delay per lane).
+    if head.first_scheduled_time is not None:
+        routing["X-Queue-Delay-Ms"] = f"{(head.first_scheduled_time - head.arrival_time) * 1e3:.2f}"
+
+    model = state.model_name
+    created = int(time.time())
+    synthetic = state.codec.tokenizer is None
+    want = _Want.of(body, chat)
+
+    if body.stream:
+        idle_s = state.config.scheduler.stream_idle_timeout_ms / 1000.0
+        events = _chat_events if chat else _completion_events
+        gen = events(state, jobs, want, model, created, body.include_usage_in_stream, synthetic)
+        return EventStreamResponse(gen, lambda how: _abort_jobs(jobs, how), idle_s, routing)
+
+    # Non-streaming: collect everything, watching the client meanwhile.
+    async def collect(job: _Job) -> list:
+        outputs = [job.first]
+        while not outputs[-1].finished:
+            outputs.append(await job.stream.__anext__())
+        job.finished = True
+        if len(jobs) > 1 and error_of_final(outputs[-1]) is not None:
+            _abort_jobs(jobs, "batch_failed")  # the request fails: stop the others now
+        return outputs
+
+    try:
+        results = await until_disconnect(asyncio.gather(*(collect(job) for job in jobs)), http.receive)
+    except ClientGone:
+        _abort_jobs(jobs, "client_disconnect")
+        return Response(status_code=499)
+    except BaseException:
+        _abort_jobs(jobs, "server_error")
+        raise
+    # Cancelled by the server, or failed, part way: no partial answer. The cause, not the
+    # prompts we cancelled because of it, decides the status.
+    errors = [(job.aborted, error_of_final(outputs[-1])) for job, outputs in zip(jobs, results)]
+    errors = sorted((e for e in errors if e[1] is not None), key=lambda e: e[0])
+    if errors:
+        return api_error_response(errors[0][1], headers=routing)
+    texts = state.token_texts
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for job, outputs in zip(jobs, results):
+        last = outputs[-1]
+        prompt_tokens += last.num_prompt_tokens
+        completion_tokens += last.num_output_tokens
+        if synthetic:
+            text = "".join(TextCodec.synthetic_text(o.new_token_ids) for o in outputs)
+        else:
+            text = "".join(o.new_text for o in outputs)
+        reason = _finish_reason(last.finish_reason)
+        new_ids = [t for o in outputs for t in o.new_token_ids]
+        new_lps = [e for o in outputs for e in (o.new_logprobs or [])]
+        prompt_lps = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), [])
+        if chat:
+            logprobs = None
+            if want.logprobs is not None:
+                logprobs = {"content": chat_logprobs_content(texts, want.logprobs, new_lps)}
+            choices.append(ChatChoice(index=job.index, message=ChatMessageOut(content=text),
+                                      logprobs=logprobs, finish_reason=reason))
+            continue
+        logprobs = None
+        ids, lps = new_ids, new_lps
+        if want.echo:
+            text = job.prompt_text + text
+            ids, lps = job.request.prompt_token_ids + new_ids, list(prompt_lps) + new_lps
+        if want.logprobs is not None:
+            logprobs = CompletionLogprobs(texts, want.logprobs).build(ids, lps)
+        choice = CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=reason)
+        if want.prompt_logprobs is not None:
+            choice.prompt_logprobs = vllm_prompt_logprobs(texts, want.prompt_logprobs, prompt_lps)
+        choices.append(choice)
+    usage = Usage.of(prompt_tokens, completion_tokens)
+    if chat:
+        payload = ChatCompletionResponse(id=head.request_id, created=created, model=model, usage=usage,
+                                         choices=choices).model_dump()
+    else:
+        payload = CompletionResponse(id=head.request_id, created=created, model=model, usage=usage,
+                                     choices=choices).model_dump()
+        if want.prompt_logprobs is None:
+            for choice in payload["choices"]:
+                del choice["prompt_logprobs"]
+    return JSONResponse(payload, headers=routing)
+
+
+def _abort(stream, why: str) -> None:
+    """Cancel a request we no longer need; `why` becomes its metrics reason label."""
+    stream.abort(why)
+    log.info("cancelling %s: %s", stream.request_id, why)  # logged once the abort is staged
+
+
+async def _merged(jobs: list[_Job], synthetic: bool) -> AsyncIterator[tuple[_Job, Any]]:
+    """(job, output) for every output of every job as it arrives, each job's first output
+    first; `synthetic` (no tokenizer) gives each token a placeholder text so every token is
+    a chunk. Sets job.finished as final outputs go by."""
+
+    def prepared(out):
+        if synthetic and out.new_token_ids:
+            out.new_text = TextCodec.synthetic_text(out.new_token_ids)
+        return out
+
+    for job in jobs:
+        yield job, prepared(job.first)
+    if len(jobs) == 1:  # the common case: no task per output
+        job = jobs[0]
+        while not job.finished:
+            out = await job.stream.__anext__()
+            job.finished = out.finished
+            yield job, prepared(out)
+        return
+    pending = {asyncio.ensure_future(job.stream.__anext__()): job for job in jobs if not job.finished}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t].index):
+                job = pending.pop(task)
+                out = task.result()
+                job.finished = out.finished
+                if not out.finished:
+                    pending[asyncio.ensure_future(job.stream.__anext__())] = job
+                yield job, prepared(out)
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+def _stream_error(out) -> Optional[APIError]:
+    """An error to send as the stream's last event (a server cancel ends with "abort")."""
+    if out.finished and out.finish_reason in (FinishReason.TIMEOUT, FinishReason.REJECTED, FinishReason.ERROR):
+        return error_of_final(out)
+    return None
+
+
+class _UsageTotals:
+    def __init__(self) -> None:
+        self.last: dict[int, Any] = {}
+
+    def payload(self) -> dict:
+        outs = self.last.values()
+        return Usage.of(sum(o.num_prompt_tokens for o in outs), sum(o.num_output_tokens for o in outs)).model_dump()
+
+
+async def _completion_events(state, jobs, want: _Want, model, created, include_usage, synthetic) -> AsyncIterator[str]:
+    base = {"id": jobs[0].request.request_id, "object": "text_completion", "created": created, "model": model}
+    texts = state.token_texts
+    formatters = {job.index: CompletionLogprobs(texts, want.logprobs) for job in jobs} if want.logprobs is not None else {}
+    usage = _UsageTotals()
+
+    def chunk(index: int, text: str, logprobs, finish, prompt_logprobs=None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if want.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
+        out = {**base, "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return sse_event(out)
+
+    async for job, out in _merged(jobs, synthetic):
+        usage.last[job.index] = out
+        err = _stream_error(out)
+        if err is not None:
+            yield sse_event(err.body())
+            _abort_jobs(jobs, "batch_failed")
+            break
+        fmt = formatters.get(job.index)
+        if not job.started:
+            job.started = True
+            if want.echo or want.prompt_logprobs is not None:
+                # The prompt first: echoed text and its logprobs, vLLM's prompt_logprobs.
+                entries = out.prompt_logprobs or []
+                echo_lp = None
+                if want.echo and fmt is not None:
+                    echo_lp = fmt.build(job.request.prompt_token_ids, entries)
+                prompt_lp = (vllm_prompt_logprobs(texts, want.prompt_logprobs, entries)
+                             if want.prompt_logprobs is not None else None)
+                yield chunk(job.index, job.prompt_text if want.echo else "", echo_lp, None, prompt_lp)
+        if out.new_text or out.finished or (fmt is not None and out.new_token_ids):
+            lp = fmt.build(out.new_token_ids, out.new_logprobs or []) if fmt is not None else None
+            yield chunk(job.index, out.new_text, lp, _finish_reason(out.finish_reason) if out.finished else None)
+    if include_usage:
+        yield sse_event({**base, "choices": [], "usage": usage.payload()})
+    yield DONE_EVENT
+
+
+async def _chat_events(state, jobs, want: _Want, model, created, include_usage, synthetic) -> AsyncIterator[str]:
+    base = {"id": jobs[0].request.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    texts = state.token_texts
+    usage = _UsageTotals()
+
+    def chunk(index: int, delta: dict, finish: Optional[str], logprobs=None) -> str:
+        out = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            out["usage"] = None
+        return sse_event(out)
+
+    for job in jobs:
+        yield chunk(job.index, {"role": "assistant", "content": ""}, None)
+    async for job, out in _merged(jobs, synthetic):
+        usage.last[job.index] = out
+        err = _stream_error(out)
+        if err is not None:
+            yield sse_event(err.body())
+            _abort_jobs(jobs, "batch_failed")
+            break
+        with_lp = want.logprobs is not None and bool(out.new_token_ids)
+        if out.new_text or with_lp:
+            lp = {"content": chat_logprobs_content(texts, want.logprobs, out.new_logprobs or [])} if with_lp else None
+            yield chunk(job.index, {"content": out.new_text}, None, lp)
+        if out.finished:
+            yield chunk(job.index, {}, _finish_reason(out.finish_reason))
+    if include_usage:
+        yield sse_event({**base, "choices": [], "usage": usage.payload()})
+    yield DONE_EVENT

@@ -1,0 +1,107 @@
+"""Server-sent events, and noticing a client that went away.
+
+A client that disconnects, streaming or not, is noticed at once (not at the next write), and
+so is a streaming consumer that stops reading for `scheduler.streamIdleTimeoutMs`: the
+caller then cancels the request in the engine (runtime/completions.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from fastapi.responses import Response
+
+log = logging.getLogger("tokenlane.server")
+
+
+def sse_event(payload: Any) -> str:
+    """One `data: {...}` event (compact JSON)."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+async def wait_disconnect(receive: Callable) -> None:
+    """Returns when the client has gone (the request body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    """The client disconnected before the awaited work was done."""
+
+
+async def until_disconnect(awaitable, receive: Callable):
+    """Await `awaitable`, or raise ClientGone as soon as the client disconnects."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ClientGone()
+    finally:
+        for task in (work, gone):
+            if not task.done():
+                task.cancel()
+
+
+class EventStreamResponse(Response):
+    """An SSE response that watches the client while it streams.
+
+    Unlike a plain StreamingResponse it (1) listens for `http.disconnect` concurrently, so a
+    client that goes away while the engine is still computing is noticed at once, not at the
+    next write, and (2) bounds every write by the stream idle timeout: a consumer that stops
+    reading blocks the transport's flow control, and after the timeout the request is
+    cancelled and the connection closed. `on_close` runs exactly once in every case.
+    """
+
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[str], None],
+        idle_timeout_s: float,
+        headers: dict[str, str],
+    ) -> None:
+        # As StreamingResponse does: no body attribute, so no Content-Length header.
+        self.status_code = 200
+        self.media_type = "text/event-stream"
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", **headers})
+        self.events = events
+        self.on_close = on_close
+        self.idle_timeout_s = idle_timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        how = "client_disconnect"
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await wait_disconnect(receive)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                async for event in self.events:
+                    with anyio.fail_after(self.idle_timeout_s):
+                        await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                how = "completed"
+            except TimeoutError:
+                how = "stream_idle_timeout"
+                log.warning("stream consumer stalled for %.1fs; cancelling the request", self.idle_timeout_s)
+            except OSError:
+                how = "client_disconnect"
+            finally:
+                self.on_close(how)
+                tg.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await self.events.aclose()
