@@ -22,7 +22,7 @@ from tokenlane.runtime.bench.trace import LaneMix, Traffic, TrafficSpec, build_r
 from tokenlane.runtime.config import RuntimeConfig
 
 # The production example config (see docs/configuration.md) on a simulated H200 serving a Llama-3-8B-like model. Budgets are
-# the seed's; the KV pool is sized from gpuMemoryUtilization like vLLM does. Prefix caching is
+# the documented example's; the KV pool is sized from gpuMemoryUtilization like vLLM does. Prefix caching is
 # off because the trace carries no prompt contents (nothing could be shared).
 PRODUCTION_CONFIG: dict[str, Any] = {
     "model": {"path": "simulated/llama3-8b", "servedName": "llama3-8b", "maxModelLen": 32768},

@@ -71,7 +71,7 @@ def test_crd_metadata():
 
 
 def test_scheduler_defaults_are_the_runtimes():
-    """The CRD's defaults (the seed's budgets) equal the runtime's SchedulerConfig defaults."""
+    """The CRD's defaults (the documented starting budgets) equal the runtime's SchedulerConfig defaults."""
     defaults = SchedulerConfig()
     for key, value in schema.SCHEDULER_DEFAULTS.items():
         attr = "".join("_" + c.lower() if c.isupper() else c for c in key)
