@@ -15,7 +15,7 @@ manifests/base/operator-deployment.yaml.
 
 options:
   --engine docker|podman|buildah
-                     the builder (default: the first of docker, podman, buildah on PATH)
+                     the builder (default: docker if its daemon answers, else podman, else buildah)
   --variant cuda|cpu the runtime's flavour (default cuda). cpu: a Debian base, torch's CPU
                      build (from --wheels when it holds one, else download.pytorch.org/whl/cpu)
                      and no triton; for kind, minikube and machines without a GPU
@@ -84,9 +84,15 @@ done
 
 if [[ -z $engine ]]; then
   for candidate in docker podman buildah; do
-    if command -v "$candidate" >/dev/null; then engine=$candidate; break; fi
+    command -v "$candidate" >/dev/null || continue
+    # A docker CLI without a reachable daemon cannot build: try the next engine.
+    if [[ $candidate == docker ]] && ! docker info >/dev/null 2>&1; then
+      echo "build-images: docker is on PATH but its daemon does not answer; trying podman, buildah" >&2
+      continue
+    fi
+    engine=$candidate; break
   done
-  [[ -n $engine ]] || die "no docker, podman or buildah on PATH (Debian: apt-get install buildah)"
+  [[ -n $engine ]] || die "no working docker, podman or buildah (Debian: apt-get install buildah)"
 fi
 case "$engine" in docker|podman|buildah) ;; *) die "--engine must be docker, podman or buildah" ;; esac
 (( dry_run )) || command -v "$engine" >/dev/null || die "$engine is not on PATH"
