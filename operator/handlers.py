@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import kopf
 
-from tokenlane.operator import builders, k8s, last_known_good, metrics, planner, reads
+from tokenlane.operator import builders, k8s, last_known_good, metrics, planner, precedence, reads
 from tokenlane.operator import status as status_mod
 from tokenlane.operator.model import parse_model_service, parse_serving_lane
 
@@ -101,6 +101,19 @@ class InvalidSpec(Exception):
 # --------------------------------------------------------------------------- reconcile
 
 
+def _overrides_in_force(msvc: Any, lanes: list) -> dict:
+    """status.overrides less the tuner's overrides of knobs the user edited since: the edit is
+    in force from this reconcile on (the tuning timer drops them from status on its next run)."""
+    overrides = (msvc.status or {}).get("overrides") or {}
+    if not overrides.get(precedence.LEARNED_FROM):
+        return overrides
+    try:
+        spec = precedence.budgets_of(builders.build(msvc, lanes))
+    except ValueError:
+        return overrides  # the spec alone does not render: reported below
+    return precedence.in_force(overrides, spec)
+
+
 async def reconcile_model_service(op: Operator, namespace: str, name: str) -> Optional[builders.Desired]:
     """Bring the objects and status of ModelService namespace/name to what its spec says.
 
@@ -149,12 +162,12 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
         raise InvalidSpec(str(exc)) from None
 
     lanes, lane_bodies = await reads.list_lanes(op.client, namespace, name)
-    overrides = builders.Overrides.from_status(msvc.status)
+    overrides = _overrides_in_force(msvc, lanes)
     # While a rollback (or the fallback) is in force, the rollout guard's last-known-good
     # inputs are rendered instead of the spec (the spec itself is untouched).
     msvc, lanes = await last_known_good.inputs_in_force(op.client, msvc, lanes)
     try:
-        desired = builders.build(msvc, lanes, overrides=overrides,
+        desired = builders.build(msvc, lanes, overrides=builders.Overrides.from_status({"overrides": overrides}),
                                  service_monitor_available=await op.service_monitor_available())
     except ValueError as exc:
         await _reject(op, k8s.MODEL_SERVICES, body, generation, str(exc))
@@ -187,7 +200,7 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
         lane_body = by_name[lane.ref.name]
         lane_body.setdefault("apiVersion", k8s.SERVING_LANES.api_version)
         lane_body.setdefault("kind", "ServingLane")
-        wanted_lane = status_mod.lane_status(lane, msvc, desired, deployments, now)
+        wanted_lane = status_mod.lane_status(lane, msvc, desired, deployments, now, overrides=overrides)
         changed = await _write_status(op, k8s.SERVING_LANES, lane_body, wanted_lane, status_mod.LANE_KEYS)
         if changed and lane.ref.name in desired.rejected:
             await k8s.post_event(op.client, lane_body, "Warning", "Rejected", desired.rejected[lane.ref.name])

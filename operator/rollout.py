@@ -388,7 +388,7 @@ def evaluate(
             return RolloutDecision(WAIT, new, "Verifying", "pods became ready; verifying")
         return RolloutDecision(NONE, state, "ProgressDeadlineExceeded", state.message)
 
-    # Stable: refresh the baseline from good windows; fall back if even the LKG misses badly.
+    # Stable: keep the promotion's baseline; fall back if even the LKG misses badly.
     numbers = baseline_from(sample, lanes, policy.min_requests)
     return _check_fallback(policy, state, now, numbers, lanes, keep_phase=STABLE)
 
@@ -457,18 +457,26 @@ def _while_rolled_back(policy: RolloutPolicy, state: RolloutState, now: float, s
                            state.message, restore_revision=state.lkg)
 
 
+def _with_missing_baselines(state: RolloutState, numbers: Mapping[str, LaneBaseline]) -> RolloutState:
+    """The baseline is the last-known-good's verified window, kept from promotion: a later
+    window only fills in a lane that had too little traffic then. Refreshing it from every
+    window would let a probe's window become the yardstick, and write status every interval."""
+    missing = {lane: n for lane, n in numbers.items() if lane not in state.baseline}
+    return replace(state, baseline={**state.baseline, **missing}) if missing else state
+
+
 def _check_fallback(policy: RolloutPolicy, state: RolloutState, now: float, numbers: Mapping[str, LaneBaseline],
                     lanes: Sequence[LaneTarget], keep_phase: str) -> RolloutDecision:
     if state.phase == FALLBACK or policy.fallback is None or state.lkg is None:
         new = state
-        if keep_phase == STABLE and numbers and state.phase == STABLE:
-            new = replace(state, baseline={**state.baseline, **numbers})
+        if keep_phase == STABLE and state.phase == STABLE:
+            new = _with_missing_baselines(state, numbers)
         return RolloutDecision(NONE, new, state.phase, state.message)
     bad = _badly_missing(policy, lanes, numbers)
     if not bad:
         new = replace(state, bad_since=None)
-        if keep_phase == STABLE and numbers:
-            new = replace(new, baseline={**state.baseline, **numbers})
+        if keep_phase == STABLE:
+            new = _with_missing_baselines(new, numbers)
         return RolloutDecision(NONE, new, state.phase, state.message)
     since = state.bad_since if state.bad_since is not None else now
     if now - since < policy.fallback_after_s:

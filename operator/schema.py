@@ -465,7 +465,13 @@ def serving_lane_status() -> dict:
         "readyReplicas": _int("Ready pods of the dedicated pool.", minimum=0, fmt="int32"),
         "conditions": _conditions(),
         "effectiveBudgets": _free_object("This lane's budgets in force (caps applied, after tuning)."),
-        "slo": _free_object("Observed p95s against the targets (written by the tuner)."),
+        "budgets": _free_object("Each tuned knob in force: `<knob>: {value, source}`, source `spec`, "
+                                "`tuner` (an override; the user's edit of the knob drops it) or "
+                                "`fallback` (the rollout guard's fallback profile)."),
+        "overriddenKnobs": _int("Tuned knobs whose value in force is not the spec's (tuner or fallback).",
+                                minimum=0, fmt="int32"),
+        "slo": _free_object("Observed p95s against the targets at the last SLOMet transition "
+                            "(written by the tuner)."),
     })
 
 
@@ -546,6 +552,8 @@ def serving_lane_crd() -> dict:
         _col("Isolation", ".spec.isolation"),
         _col("Ready", '.status.conditions[?(@.type=="Ready")].status'),
         _col("SLO Met", '.status.conditions[?(@.type=="SLOMet")].status'),
+        _col("Overrides", ".status.overriddenKnobs", "integer",
+             desc="Tuned knobs not at their spec value (status.budgets says which, and why)"),
         _col("Priority", ".spec.priority", "integer", priority=1),
         _col("Age", ".metadata.creationTimestamp", "date"),
     ], scale=False, root_rules=[

@@ -9,29 +9,37 @@ conditions SLOMet, RolledBack and Tuning; `merge_conditions` keeps theirs untouc
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
+from tokenlane.operator import precedence
 from tokenlane.operator.builders import Desired, Pool, endpoint, selector_labels, selector_string
 from tokenlane.operator.model import ModelService, ServingLane
 
 MODEL_SERVICE_KEYS = ("observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector", "lanes",
                       "laneNames", "restartHash", "configHash", "endpoint", "effectiveBudgets")
 LANE_KEYS = ("observedGeneration", "laneName", "modelService", "endpoint", "replicas", "readyReplicas",
-             "effectiveBudgets")
+             "effectiveBudgets", "budgets", "overriddenKnobs")
 
 
 def condition(type_: str, status: bool, reason: str, message: str) -> dict:
     return {"type": type_, "status": "True" if status else "False", "reason": reason, "message": message}
 
 
-def merge_conditions(current: Optional[list], updates: list[dict], generation: int, now: str) -> list[dict]:
-    """Replace the conditions of the updated types; keep lastTransitionTime when status is unchanged."""
+def merge_conditions(current: Optional[list], updates: list[dict], generation: int, now: str,
+                     keep_message_of: Collection[str] = ()) -> list[dict]:
+    """Replace the conditions of the updated types; keep lastTransitionTime when status is unchanged.
+
+    For the types in `keep_message_of` (conditions whose message carries live numbers, such as
+    SLOMet's p95s) the message of the last transition is kept while status and reason hold, so
+    an unchanged verdict is not a status write; the live numbers are metrics."""
     by_type = {c.get("type"): dict(c) for c in current or []}
     for new in updates:
         old = by_type.get(new["type"])
         merged = {**new, "observedGeneration": generation}
         if old is not None and old.get("status") == new["status"] and old.get("lastTransitionTime"):
             merged["lastTransitionTime"] = old["lastTransitionTime"]
+            if new["type"] in keep_message_of and old.get("reason") == new.get("reason") and "message" in old:
+                merged["message"] = old["message"]
         else:
             merged["lastTransitionTime"] = now
         by_type[new["type"]] = merged
@@ -124,7 +132,9 @@ def invalid_status(current: Mapping[str, Any], generation: int, message: str, no
 
 
 def lane_status(lane: ServingLane, msvc: Optional[ModelService], desired: Optional[Desired],
-                deployments: Mapping[str, Mapping[str, Any]], now: str) -> dict:
+                deployments: Mapping[str, Mapping[str, Any]], now: str,
+                overrides: Optional[Mapping[str, Any]] = None) -> dict:
+    """The lane's status; `overrides` (status.overrides in force) say each tuned knob's source."""
     gen = lane.ref.generation
     out: dict[str, Any] = {"observedGeneration": gen, "laneName": lane.lane_name, "modelService": lane.parent}
     if msvc is None or desired is None:
@@ -142,6 +152,8 @@ def lane_status(lane: ServingLane, msvc: Optional[ModelService], desired: Option
     pool = next(p for p in desired.pools if lane.lane_name in p.lanes)
     out["endpoint"] = endpoint(msvc, pool)
     out["effectiveBudgets"] = desired.effective_budgets["lanes"][lane.lane_name]
+    out["budgets"] = precedence.lane_sources(overrides or {}, lane.lane_name, out["effectiveBudgets"])
+    out["overriddenKnobs"] = sum(1 for b in out["budgets"].values() if b["source"] != precedence.SPEC)
     ok, _, failure = pool_conditions(pool, deployments.get(pool.object_name))
     if lane.dedicated:
         replicas, ready, _, _ = _deployment_counts(deployments.get(pool.object_name))

@@ -346,6 +346,12 @@ def _last_change(history: Sequence[DecisionRecord]) -> Optional[DecisionRecord]:
     return next((r for r in reversed(history) if r.changes), None)
 
 
+def pending_experiment(history: Sequence[DecisionRecord]) -> Optional[DecisionRecord]:
+    """The adjust/probe change not judged yet, if any (the timer marks it inconclusive when a
+    user's edit drops its override: its window no longer measures it)."""
+    return _pending_experiment(history)
+
+
 def _pending_experiment(history: Sequence[DecisionRecord]) -> Optional[DecisionRecord]:
     """The last adjust/probe change, if no later decision has judged it yet."""
     last = _last_change(history)

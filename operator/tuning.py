@@ -1,7 +1,9 @@
 """The kopf side of the budget path: a timer per ModelService running the rollout guard and the tuner.
 
 Every `tick_s` kopf calls `tick` for each ModelService; the work runs when the object's
-`spec.tuning.interval` has passed since the last run (`status.tuning.lastRunAt`). One run is
+`spec.tuning.interval` has passed since the last run. The last run is kept in the operator's
+memory (`Tuning.last_run`) and exported as a metric, never written to status: status is
+written only when a condition or value changes (a restarted operator runs once at once). One run is
 a pipeline of small steps (docs/architecture.md, "The budget path"):
 
 1. `_prepare`: read the ModelService and its lanes, render the spec alone (its hash is the
@@ -22,19 +24,24 @@ a pipeline of small steps (docs/architecture.md, "The budget path"):
    Event. Prometheus unreachable or thin data: the budgets are held and the `Tuning`
    condition says why.
 4. `_write_status`, `_post_events`, then `_reconcile` when the run changed what is rendered.
+   A run that only holds writes nothing: consecutive holds keep the first hold's record, the
+   Tuning and SLOMet conditions keep the message of their last transition while their
+   status and reason hold, and an Event equal to the last one posted about the object (same
+   type, reason and message) is not posted again (`EventMemo`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import kopf
 
-from tokenlane.operator import builders, handlers, k8s, last_known_good, reads, rollout, tuner
+from tokenlane.operator import builders, handlers, k8s, last_known_good, metrics, precedence, reads, rollout, tuner
 from tokenlane.operator import status as status_mod
 from tokenlane.operator.model import ModelService, ServingLane, parse_duration, parse_model_service
 from tokenlane.operator.prometheus import PrometheusClient
@@ -75,14 +82,47 @@ async def read_prometheus(url: str, model: str, window_s: float, lanes: list[str
                                                    extra_matchers={"namespace": namespace} if namespace else None)
 
 
+class EventMemo:
+    """The last Event posted about each object, in memory: the same type, reason and message
+    again is not re-posted while the state holds (a hold every interval says it once). An Event
+    series (count/lastTimestamp patches) would still be one write per interval, so the memo
+    drops the repeats; after an operator restart the first one is posted again."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str, str], tuple[str, str, str]] = {}
+
+    def is_repeat(self, body: Mapping[str, Any], event: tuple[str, str, str]) -> bool:
+        return self._last.get(_object_key(body)) == event
+
+    def remember(self, body: Mapping[str, Any], event: tuple[str, str, str]) -> None:
+        self._last[_object_key(body)] = event
+
+
+def _object_key(body: Mapping[str, Any]) -> tuple[str, str, str]:
+    meta = body.get("metadata") or {}
+    return str(body.get("kind", "")), str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+
 @dataclass
 class Tuning:
-    """What the timer needs besides the operator: a clock and a metrics reader (tests inject)."""
+    """What the timer needs besides the operator: a clock and a metrics reader (tests inject),
+    and what it remembers between runs: when each ModelService last ran (not in status, see
+    the module docstring) and the Events it last posted."""
 
     op: Any  # handlers.Operator
     clock: Callable[[], float] = time.time
     read_sample: SampleReader = read_prometheus
     tick_s: float = TICK_S
+    last_run: dict[tuple[str, str], float] = field(default_factory=dict)  # (namespace, name) -> clock time
+    events: EventMemo = field(default_factory=EventMemo)
+
+    def last_run_at(self, namespace: str, name: str) -> Optional[float]:
+        return self.last_run.get((namespace, name))
+
+    def record_run(self, namespace: str, name: str, now: float, outcome: str) -> None:
+        self.last_run[(namespace, name)] = now
+        metrics.TUNING_LAST_RUN.labels(namespace=namespace, modelservice=name).set(now)
+        metrics.TUNING_RUNS.labels(namespace=namespace, modelservice=name, outcome=outcome).inc()
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -132,15 +172,7 @@ def lane_targets(msvc: ModelService, desired: builders.Desired,
     return out
 
 
-def budgets_of(desired: builders.Desired) -> EffectiveBudgets:
-    """The budgets in force over every pool (lanes) and the shared pool (global knobs)."""
-    lanes: dict[str, dict] = {}
-    for pool in desired.pools:
-        part = EffectiveBudgets.from_config(pool.config)
-        for name in pool.lanes:
-            lanes[name] = dict(part.lanes[name])
-    shared = EffectiveBudgets.from_config(desired.shared.config)
-    return EffectiveBudgets(lanes, dict(shared.global_))
+budgets_of = precedence.budgets_of
 
 
 def tuned_overrides(current: Mapping[str, Any], spec_budgets: EffectiveBudgets,
@@ -165,7 +197,7 @@ def tuned_overrides(current: Mapping[str, Any], spec_budgets: EffectiveBudgets,
         else:
             sched[knob] = value
     out["lanes"], out["scheduler"] = lanes, sched
-    return {k: v for k, v in out.items() if v}
+    return precedence.with_learned_from({k: v for k, v in out.items() if v}, spec_budgets)
 
 
 def _without_fallback(overrides: Mapping[str, Any]) -> dict:
@@ -203,7 +235,9 @@ class _Run:
     now: float
     revision: str  # of what the spec alone renders
     spec_desired: builders.Desired  # the spec alone
-    desired: builders.Desired  # in force: the spec or the last-known-good, with status.overrides
+    desired: builders.Desired  # in force: the spec or the last-known-good, with the overrides in force
+    overrides: dict  # status.overrides less those of knobs the user edited since (precedence.py)
+    dropped: list  # those precedence.DroppedOverride
     targets: list[LaneTarget]
     budgets: EffectiveBudgets
     settings: TunerSettings
@@ -229,6 +263,8 @@ class _Outcome:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     lane_slo: Mapping[str, LaneSLO] = field(default_factory=dict)
     reconcile: bool = False  # what the operator renders changed: reconcile after the writes
+    outcome: str = "off"  # the tuner's action this run (hold | adjust | probe | revert), off when it did not run
+    quiet_conditions: set[str] = field(default_factory=lambda: {"SLOMet"})  # types whose message waits for a transition
 
 
 async def tick(t: Tuning, namespace: str, name: str) -> Optional[dict]:
@@ -236,15 +272,20 @@ async def tick(t: Tuning, namespace: str, name: str) -> Optional[dict]:
     run = await _prepare(t, namespace, name)
     if run is None:
         return None
-    out = _Outcome()
-    guard = await _guard(t.op, run, out)
-    _tune(run, guard, out)
-    if not await _write_status(t.op, run, out):
-        return None
-    await _post_events(t.op, run, out)
-    if out.reconcile:
-        await _reconcile(t.op, namespace, name)
-    return out.patch
+    out = _Outcome(outcome="error")
+    try:
+        _precedence(run, out)
+        guard = await _guard(t.op, run, out)
+        out.outcome = "off"
+        _tune(run, guard, out)
+        if not await _write_status(t.op, run, out):
+            return None
+        await _post_events(t, run, out)
+        if out.reconcile:
+            await _reconcile(t.op, namespace, name)
+        return out.patch
+    finally:  # a failed run waits for the next interval too
+        t.record_run(namespace, name, run.now, out.outcome)
 
 
 async def _due(t: Tuning, namespace: str, name: str) -> Optional[tuple[dict, ModelService, float]]:
@@ -258,31 +299,35 @@ async def _due(t: Tuning, namespace: str, name: str) -> Optional[tuple[dict, Mod
         return None  # the operator reports the invalid spec
     now = t.clock()
     interval = parse_duration((msvc.spec.get("tuning") or {}).get("interval") or "60s")
-    last_run = ((msvc.status or {}).get("tuning") or {}).get("lastRunAt")
-    if last_run is not None and now - float(last_run) < interval:
+    last_run = t.last_run_at(namespace, name)
+    if last_run is not None and now - last_run < interval:
         return None
     return body, msvc, now
 
 
 async def _render(client: k8s.KubeClient, msvc: ModelService, lanes: list[ServingLane]
-                  ) -> Optional[tuple[str, builders.Desired, builders.Desired]]:
-    """(revision, the spec alone, what is in force), rendering each only once; None when the
-    spec with its overrides cannot be rendered."""
+                  ) -> Optional[tuple[str, builders.Desired, builders.Desired, dict, list]]:
+    """(revision, the spec alone, what is in force, the overrides in force, the overrides the
+    user's edits dropped), rendering each only once; None when the spec with its overrides
+    cannot be rendered."""
     status = msvc.status or {}
     try:
         revision, spec_desired = rollout.spec_revision(msvc, lanes)
+        dropped = precedence.stale_overrides(status.get("overrides") or {}, budgets_of(spec_desired))
+        overrides = precedence.without(status.get("overrides") or {}, dropped)
+        in_force = builders.Overrides.from_status({"overrides": overrides})
         desired = spec_desired
-        if status.get("overrides"):
-            desired = builders.build(msvc, lanes, overrides=builders.Overrides.from_status(status))
+        if overrides:
+            desired = builders.build(msvc, lanes, overrides=in_force)
     except ValueError:
         return None
     pinned_msvc, pinned_lanes = await last_known_good.inputs_in_force(client, msvc, lanes, revision=revision)
     if pinned_msvc is not msvc:
         try:
-            desired = builders.build(pinned_msvc, pinned_lanes, overrides=builders.Overrides.from_status(status))
+            desired = builders.build(pinned_msvc, pinned_lanes, overrides=in_force)
         except ValueError:
             pass
-    return revision, spec_desired, desired
+    return revision, spec_desired, desired, overrides, dropped
 
 
 async def _prepare(t: Tuning, namespace: str, name: str) -> Optional[_Run]:
@@ -294,7 +339,7 @@ async def _prepare(t: Tuning, namespace: str, name: str) -> Optional[_Run]:
     rendered = await _render(t.op.client, msvc, lanes)
     if rendered is None:
         return None
-    revision, spec_desired, desired = rendered
+    revision, spec_desired, desired, overrides, dropped = rendered
     budgets = budgets_of(desired)
     targets = lane_targets(msvc, desired, budgets)
     settings = settings_from_spec(msvc.spec)
@@ -307,8 +352,16 @@ async def _prepare(t: Tuning, namespace: str, name: str) -> Optional[_Run]:
     else:
         sample = MetricSample.unavailable("spec.tuning.prometheusUrl is not set", settings.window_s)
     pods = await reads.pod_readiness(t.op.executor, namespace, name)
-    return _Run(body, msvc, lanes, lane_bodies, now, revision, spec_desired, desired, targets, budgets, settings,
-                policy, pods, sample)
+    return _Run(body, msvc, lanes, lane_bodies, now, revision, spec_desired, desired, overrides, dropped, targets,
+                budgets, settings, policy, pods, sample)
+
+
+def _precedence(run: _Run, out: _Outcome) -> None:
+    """A user's edit wins over the tuner: drop the overrides of edited knobs from status (the
+    reconcile already renders without them) and say so once."""
+    if run.dropped:
+        out.patch["overrides"] = run.overrides
+        out.events.append(("Normal", "OverrideDropped", "; ".join(map(str, run.dropped))))
 
 
 async def _guard(op: Any, run: _Run, out: _Outcome) -> rollout.RolloutDecision:
@@ -322,7 +375,7 @@ async def _guard(op: Any, run: _Run, out: _Outcome) -> rollout.RolloutDecision:
         if state is not None and state.phase in (rollout.ROLLED_BACK, rollout.FALLBACK, rollout.FAILED):
             out.conditions.append(status_mod.condition("RolledBack", False, "NewRevision", guard.message))
             if state.phase == rollout.FALLBACK:
-                out.patch["overrides"] = _without_fallback(run.status.get("overrides") or {})
+                out.patch["overrides"] = _without_fallback(run.overrides)
                 out.reconcile = True
     elif guard.action == rollout.PROMOTE:
         cm = last_known_good.configmap(run.msvc, run.revision, run.lanes, run.desired.objects)
@@ -336,9 +389,11 @@ async def _guard(op: Any, run: _Run, out: _Outcome) -> rollout.RolloutDecision:
     elif guard.action == rollout.FALLBACK_ACTION:
         inputs = await last_known_good.load(op.client, run.msvc.namespace, run.msvc.name)
         base = (inputs or {}).get("modelService", run.msvc.spec)["scheduler"]
-        overrides = dict(run.status.get("overrides") or {})
+        overrides = copy.deepcopy(run.overrides)
         for key, value in run.policy.fallback.overrides(base).items():
             overrides[key] = {**(overrides.get(key) or {}), **value}
+            for knob in value:  # the fallback's value, not a tuner's, is in force for these
+                ((overrides.get(precedence.LEARNED_FROM) or {}).get(key) or {}).pop(knob, None)
         out.patch["overrides"] = overrides
         out.events.append(("Warning", "FallbackApplied", guard.message))
         out.conditions.append(status_mod.condition("RolledBack", True, "FallbackApplied", guard.message))
@@ -353,7 +408,7 @@ async def _guard(op: Any, run: _Run, out: _Outcome) -> rollout.RolloutDecision:
 def _tune(run: _Run, guard: rollout.RolloutDecision, out: _Outcome) -> None:
     """Run the tuner (or say why it does not run) into status.tuning, conditions and Events."""
     tuning_status = dict(run.status.get("tuning") or {})
-    tuning_status["lastRunAt"] = run.now
+    tuning_status.pop("lastRunAt", None)  # written by older operators: now a metric
     enabled = bool(run.spec_tuning.get("enabled"))
     if enabled and guard.state.phase != rollout.FALLBACK:
         _decide(run, guard.state.phase == rollout.VERIFYING, tuning_status, out)
@@ -373,34 +428,50 @@ def _lane_slo(run: _Run) -> dict[str, LaneSLO]:
 
 def _decide(run: _Run, verifying: bool, tuning_status: dict, out: _Outcome) -> None:
     history = [DecisionRecord.from_dict(r) for r in tuning_status.get("history") or []]
-    if verifying:
+    if run.dropped:
+        # The user's edit is in force now: a change in flight can no longer be judged (nor
+        # reverted over the edit); the tuner re-learns from the spec value after a cooldown.
+        pending = tuner.pending_experiment(history)
+        edited = ", ".join(f"{'' if d.scope == GLOBAL else d.scope + '.'}{d.knob}" for d in run.dropped)
+        decision = Decision(run.now, HOLD, run.budgets,
+                            f"user edited {edited}: the spec value is in force, the tuner re-learns from it",
+                            slo=_lane_slo(run), judged=pending.at if pending else None,
+                            verdict="inconclusive" if pending else "")
+    elif verifying:
         decision = Decision(run.now, HOLD, run.budgets, f"holding budgets: verifying revision {run.revision}",
                             slo=_lane_slo(run))
     else:
         decision = tuner.decide(run.targets, run.settings, run.budgets, run.sample, history, run.now)
     held = _hold_category(decision, run.sample, verifying)
+    out.outcome = decision.action
     if decision.changed:
-        out.patch["overrides"] = tuned_overrides(out.patch.get("overrides", run.status.get("overrides")),
+        out.patch["overrides"] = tuned_overrides(out.patch.get("overrides", run.overrides),
                                                  budgets_of(run.spec_desired), decision.budgets)
         out.reconcile = True
         kind = "Warning" if decision.action == REVERT else "Normal"
         reason = {REVERT: "TuningReverted", PROBE: "TuningProbe"}.get(decision.action, "BudgetsTuned")
         out.events.append((kind, reason, f"{', '.join(map(str, decision.changes))}: {decision.reason}"))
     elif held and tuning_status.get("held") != held:  # an Event when a hold starts, not every interval
+        # Only an outage the tuner cannot wait out is a Warning; verifying a revision is routine.
         out.events.append(("Warning" if held == "PrometheusUnavailable" else "Normal", "TuningHeld", decision.reason))
     if held:
         tuning_status["held"] = held
     else:
         tuning_status.pop("held", None)
     record = decision.record()
-    if (record.action == HOLD and record.judged is None and history
-            and history[-1].action == HOLD and history[-1].judged is None):
-        history[-1] = record  # consecutive holds keep one entry: changes and reverts stay visible
+    still_holding = (record.action == HOLD and record.judged is None and history
+                     and history[-1].action == HOLD and history[-1].judged is None
+                     and _words(history[-1].reason) == _words(record.reason)
+                     and tuning_status.get("lastDecision"))
+    if still_holding:
+        # Consecutive holds keep the first hold's entry ("holding since"): changes and reverts
+        # stay visible, and a run that only holds writes nothing.
+        out.quiet_conditions.add("Tuning")
     else:
         history.append(record)
+        tuning_status["lastDecision"] = {"at": k8s.timestamp(run.now), "action": decision.action,
+                                         "reason": decision.reason}
     tuning_status["history"] = [r.to_dict() for r in history[-HISTORY:]]
-    tuning_status["lastDecision"] = {"at": k8s.timestamp(run.now), "action": decision.action,
-                                     "reason": decision.reason}
     tuning_status["effectiveBudgets"] = decision.budgets.to_dict()
     tuning_status["revision"] = run.revision
     out.conditions.append(status_mod.condition("Tuning", not held, held or "Tuning",
@@ -423,7 +494,8 @@ async def _write_status(op: Any, run: _Run, out: _Outcome) -> bool:
         stamp = k8s.timestamp(run.now)
         if out.conditions:
             out.patch["conditions"] = status_mod.merge_conditions(fresh_status.get("conditions"), out.conditions,
-                                                                  generation, stamp)
+                                                                  generation, stamp,
+                                                                  keep_message_of=out.quiet_conditions)
         status_patch = {key: diff_patch(fresh_status.get(key), value) if key != "conditions" else value
                         for key, value in out.patch.items() if fresh_status.get(key) != value}
         if status_patch:
@@ -433,10 +505,15 @@ async def _write_status(op: Any, run: _Run, out: _Outcome) -> bool:
     return True
 
 
-async def _post_events(op: Any, run: _Run, out: _Outcome) -> None:
+async def _post_events(t: Tuning, run: _Run, out: _Outcome) -> None:
     meta = run.body["metadata"]
-    for type_, reason, message in out.events:
-        await k8s.post_event(op.client, run.body, type_, reason, message, now=run.now)
+    for event in out.events:
+        type_, reason, message = event
+        if t.events.is_repeat(run.body, event):
+            metrics.EVENTS_SUPPRESSED.labels(reason=reason).inc()
+            continue
+        if await k8s.post_event(t.op.client, run.body, type_, reason, message, now=run.now):
+            t.events.remember(run.body, event)
         log.info("%s/%s %s: %s", meta.get("namespace"), meta["name"], reason, message)
 
 
@@ -447,14 +524,19 @@ async def _reconcile(op: Any, namespace: str, name: str) -> None:
         log.warning("reconcile of %s/%s after a tuning decision: %s", namespace, name, exc)
 
 
+def _words(reason: str) -> str:
+    """A reason without its numbers: "cooldown: last change 30s ago" is the same hold at 40s."""
+    return re.sub(r"[0-9.]+", "#", reason)
+
+
 def _hold_category(decision: Decision, sample: MetricSample, verifying: bool) -> Optional[str]:
     """Why the tuner could not act on data (for the Tuning condition), or None."""
     if decision.changed:
         return None
+    if verifying:  # the reason says "verifying revision" whether or not Prometheus is up
+        return "VerifyingRevision"
     if not sample.available:
         return "PrometheusUnavailable"
-    if verifying:
-        return "VerifyingRevision"
     if "too few requests" in decision.reason:
         return "InsufficientData"
     return None
@@ -496,13 +578,15 @@ async def _write_lane_slo(op: Any, lane_bodies: list[dict], slo: Mapping[str, La
         cond = {"type": "SLOMet", "status": status, "reason": s.reason, "message": s.message}
         generation = int(body["metadata"].get("generation") or 0)
         current = body.get("status") or {}
-        conds = status_mod.merge_conditions(current.get("conditions"), [cond], generation, stamp)
-        wanted = {"slo": {**observed, "met": status, "updated": stamp} if observed else {"met": status},
-                  "conditions": conds}
-        if current.get("conditions") == conds and (current.get("slo") or {}).get("met") == status \
-                and {k: v for k, v in (current.get("slo") or {}).items() if k != "updated"} == \
-                {k: v for k, v in wanted["slo"].items() if k != "updated"}:
-            continue
+        conds = status_mod.merge_conditions(current.get("conditions"), [cond], generation, stamp,
+                                            keep_message_of={"SLOMet"})
+        wanted = {"slo": {**observed, "met": status} if observed else {"met": status}, "conditions": conds}
+        targets = ("targetTtftP95Ms", "targetTpotP95Ms")
+        if current.get("conditions") == conds and "updated" not in (current.get("slo") or {}) \
+                and all((current.get("slo") or {}).get(k) == wanted["slo"].get(k) for k in targets):
+            continue  # the SLO verdict holds: the observed p95s of its transition stay (live ones are metrics)
+        if "updated" in (current.get("slo") or {}):
+            wanted["slo"]["updated"] = None  # a per-run stamp written by older operators
         try:
             await op.client.merge_patch(k8s.SERVING_LANES, body["metadata"].get("namespace"), body["metadata"]["name"],
                                         {"status": wanted}, subresource="status")

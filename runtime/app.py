@@ -1,5 +1,6 @@
-"""The FastAPI app: probes, metrics, models, tokenize and the OpenAI endpoints, error
-handlers that keep every error in OpenAI's shape, and the state the endpoints share.
+"""The FastAPI app: probes, metrics, models, tokenize, the OpenAI endpoints and the flight
+recorder's steps, error handlers that keep every error in OpenAI's shape, and the state the
+endpoints share.
 
     HTTP (FastAPI) -> router (tenant, lane, deadline) -> AsyncEngine.submit (admission)
     -> RequestStream -> JSON body, or SSE events `data: {...}` ... `data: [DONE]`
@@ -24,8 +25,15 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenlane.runtime.completions import generate
-from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.config import RuntimeConfig, dumps_config
 from tokenlane.runtime.config_watch import ConfigWatcher
+from tokenlane.runtime.flight_recorder import (
+    DEFAULT_CAPACITY,
+    FlightRecorder,
+    default_dump_dir,
+    parse_since,
+    write_dump,
+)
 from tokenlane.runtime.http_errors import (
     DRAINING_RETRY_AFTER_S,
     RequestLog,
@@ -55,6 +63,8 @@ from tokenlane.runtime.router import Caller, authenticate
 from tokenlane.runtime.text_codec import TextCodec
 
 log = logging.getLogger("tokenlane.server")
+
+JSONL_CONTENT_TYPE = "application/x-ndjson"
 
 
 def _errors(*statuses: int) -> dict[Union[int, str], dict[str, Any]]:
@@ -94,6 +104,9 @@ class ServerOptions:
     config_poll_interval_s: float = 1.0
     # Re-applies command-line overrides to each new version of the config file.
     config_transform: Callable[[RuntimeConfig], RuntimeConfig] = lambda c: c
+    # Steps the flight recorder keeps (0: no recorder), and where dumps are written.
+    flight_recorder_steps: int = DEFAULT_CAPACITY
+    dump_dir: Path = dataclasses.field(default_factory=default_dump_dir)
 
 
 class ServerState:
@@ -113,10 +126,36 @@ class ServerState:
         self.model_name = self.engine.config.model.name
         self.draining = False
         self._drain_task: Optional[asyncio.Task] = None
+        self.recorder: Optional[FlightRecorder] = None
+        if options.flight_recorder_steps > 0:
+            self.recorder = FlightRecorder(options.flight_recorder_steps, self.engine.config)
 
     @property
     def config(self) -> RuntimeConfig:
         return self.engine.config  # the config in force (hot reloads land here)
+
+    def write_dump(self, reason: str) -> Path:
+        """Write the recorded steps, a metrics snapshot and the config in force to one JSON
+        file under options.dump_dir; its path. Blocking (file I/O, JSON encoding): call it
+        off the event loop. OSError if the file cannot be written."""
+        try:
+            self.metrics.set_occupancy(self.engine.snapshot())
+        except Exception:  # a dump must not fail because of a racing step
+            log.debug("snapshot for the dump failed", exc_info=True)
+        steps = self.recorder.entries() if self.recorder is not None else []
+        return write_dump(Path(self.options.dump_dir), steps=steps,
+                          metrics_text=self.metrics.render().decode(), config_text=dumps_config(self.config),
+                          reason=reason)
+
+    async def dump(self, reason: str) -> Optional[Path]:
+        """`write_dump` in a worker thread; logs the path, or the error (None) and goes on."""
+        try:
+            path = await asyncio.to_thread(self.write_dump, reason)
+        except Exception as exc:
+            log.error("flight recorder dump (%s) to %s failed: %s", reason, self.options.dump_dir, exc)
+            return None
+        log.info("flight recorder dump (%s) written to %s", reason, path)
+        return path
 
     def begin_drain(self) -> asyncio.Task:
         """Stop admitting; finish in-flight work within the grace period (idempotent)."""
@@ -158,6 +197,9 @@ def create_app(
     async def lifespan(app: FastAPI):
         metrics.set_config(engine.config)
         engine.add_observer(metrics)
+        if state.recorder is not None:
+            state.recorder.set_config(engine.config)
+            engine.add_observer(state.recorder)
         engine.add_observer(RequestLog())
         await async_engine.start()
         if watcher is not None:
@@ -242,6 +284,24 @@ def create_app(
             return error_response(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
                                   code="model_not_found", param="model")
         return ModelCard(id=state.model_name, max_model_len=engine.max_model_len).model_dump()
+
+    @app.get("/debug/steps", responses={
+        200: {"description": "The flight recorder's steps, oldest first, one JSON object a line",
+              "content": {JSONL_CONTENT_TYPE: {}}},
+        **_errors(400, 401, 404)})
+    async def debug_steps(since: Optional[str] = None, who: Caller = Depends(caller)):
+        """The engine steps the flight recorder holds; `since`: a step id (only later steps)
+        or a unix time in seconds (only steps recorded after it), see docs/operations.md."""
+        recorder = state.recorder
+        if recorder is None:
+            return error_response(404, "the flight recorder is off (--flight-recorder-steps 0)",
+                                  code="flight_recorder_off")
+        try:
+            since_value = parse_since(since)
+        except ValueError as exc:
+            return error_response(400, str(exc), param="since", code="invalid_parameter")
+        body = await asyncio.to_thread(recorder.jsonl, since_value)  # up to a few MB of JSON
+        return Response(body, media_type=JSONL_CONTENT_TYPE)
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != state.model_name:

@@ -189,6 +189,7 @@ class LLMEngine:
         self._text: dict[str, _TextState] = {}
         self._failures = 0
         self._prefix_counters = (0, 0)
+        self._queued_since_step: dict[str, int] = {}  # lane -> requests queued since the last step
         self.last_step_tokens = 0  # tokens the last step ran (0: nothing was runnable)
 
     @property
@@ -337,10 +338,12 @@ class LLMEngine:
                 self.config = config
                 self.max_model_len = scheduler.max_model_len = self._max_model_len(config)
                 self.limits = dataclasses.replace(self.limits, max_model_len=self.max_model_len)
+            queued = self._queued_since_step
             for request in self._staged:
                 if request.lane not in scheduler.lanes:  # its lane went away in a reload
                     request.lane = self.config.default_lane.name
                 scheduler.add_request(request)
+                queued[request.lane] = queued.get(request.lane, 0) + 1
             self._staged = []
             self._staged_ids.clear()
             self._staged_per_lane.clear()
@@ -499,6 +502,7 @@ class LLMEngine:
         prefill = plan.num_prefill_tokens
         decode = plan.num_batched_tokens - prefill
         self.estimator.observe(output.step_seconds, prefill, decode)
+        queued, self._queued_since_step = self._queued_since_step, {}
         if not self.observers:
             return
         stats = self.snapshot()
@@ -513,10 +517,40 @@ class LLMEngine:
         stats.prefix_cache_queries = kv.prefix_queries - queries
         stats.prefix_cache_hits = kv.prefix_hits - hits
         self._prefix_counters = (kv.prefix_queries, kv.prefix_hits)
+        lanes = stats.lanes
+        # Plain dicts in the per-chunk loop (256+ chunks a step), LaneStepStats after it.
+        lane_prefill: dict[str, int] = {}
+        lane_decode: dict[str, int] = {}
+        prefill_get, decode_get = lane_prefill.get, lane_decode.get
         for chunk in plan.chunks:
-            lane = stats.lanes.get(chunk.request.lane)
+            request = chunk.request
+            name = request.lane
+            if chunk.start < len(request.prompt_token_ids):  # as plan.num_prefill_tokens counts
+                lane_prefill[name] = prefill_get(name, 0) + chunk.num_tokens
+            else:
+                lane_decode[name] = decode_get(name, 0) + chunk.num_tokens
+        for name, tokens in lane_prefill.items():
+            lane = lanes.get(name)
             if lane is not None:
-                lane.scheduled_tokens += chunk.num_tokens
+                lane.prefill_tokens = tokens
+        for name, tokens in lane_decode.items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.decode_tokens = tokens
+        for lane in lanes.values():
+            lane.scheduled_tokens = lane.prefill_tokens + lane.decode_tokens
+        for request in plan.preempted:
+            lane = lanes.get(request.lane)
+            if lane is not None:
+                lane.preempted += 1
+        for name, count in queued.items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.queued = count
+        for name, count in self.scheduler.last_started.items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.started = count
         for observer in self.observers:
             try:
                 observer.on_step(stats)

@@ -91,6 +91,8 @@ class Scheduler:
         # Requests finished since the engine last drained them (engine emits final outputs).
         self.newly_finished: list[Request] = []
         self.num_preemptions_total = 0
+        # Lane name -> requests started running in the last `schedule()` (for step stats).
+        self.last_started: dict[str, int] = {}
         self.apply_config(config)
 
     # ------------------------------------------------------------------ config
@@ -194,6 +196,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         now = self.clock()
+        self.last_started = {}
         self._expire(now)
         if self._running_dirty:
             self._compact_running()
@@ -428,6 +431,8 @@ class Scheduler:
             request.first_scheduled_time = now
         lane.num_running += 1
         self.num_running += 1
+        started = self.last_started
+        started[lane.name] = started.get(lane.name, 0) + 1
         key = (-lane.config.priority, next(self._rank_seq))
         pos = bisect.bisect(self._rank, key)
         self._rank.insert(pos, key)

@@ -3,7 +3,8 @@
 The app itself is runtime/app.py. Shutdown on SIGTERM (or SIGINT) is graceful: /ready and
 new requests answer 503 with Retry-After at once, in-flight requests finish or are aborted
 when the grace period ends, then the process logs "shutdown complete" and exits 0. A second
-signal exits at once.
+signal exits at once. SIGUSR1 writes a flight recorder dump (recorded steps, metrics, config
+in force) under --dump-dir and logs its path; serving goes on.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import signal
 import sys
+from pathlib import Path
 from typing import Optional
 
 import uvicorn
@@ -24,6 +27,7 @@ from tokenlane.runtime.config import (
     RuntimeConfig,
     load_config,
 )
+from tokenlane.runtime.flight_recorder import DEFAULT_CAPACITY, default_dump_dir
 
 log = logging.getLogger("tokenlane.server")
 
@@ -53,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, time in-flight requests get to finish (default 30)")
     p.add_argument("--config-poll-seconds", type=float, default=1.0,
                    help="how often the config file is checked for changes (default 1)")
+    p.add_argument("--flight-recorder-steps", type=int, default=DEFAULT_CAPACITY,
+                   help=f"engine steps the flight recorder keeps in memory, served at /debug/steps "
+                        f"(default {DEFAULT_CAPACITY}; 0: off)")
+    p.add_argument("--dump-dir", type=Path, default=None,
+                   help=f"where SIGUSR1 writes flight recorder dumps (default {default_dump_dir()})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -101,10 +110,21 @@ class GracefulServer(uvicorn.Server):
         self.state = state
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._drain_requested = False
+        self._dumps: set[asyncio.Task] = set()  # running dump tasks (a reference keeps them alive)
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        try:
+            self._loop.add_signal_handler(signal.SIGUSR1, self._dump_on_signal)
+        except (NotImplementedError, RuntimeError, ValueError):  # no Unix signals, or not the main thread
+            log.warning("SIGUSR1 dumps are not available here")
         await super().startup(sockets=sockets)
+
+    def _dump_on_signal(self) -> None:
+        """SIGUSR1, on the event loop: the dump itself runs in a worker thread."""
+        task = self._loop.create_task(self.state.dump("SIGUSR1"), name="flight-recorder-dump")
+        self._dumps.add(task)
+        task.add_done_callback(self._dumps.discard)
 
     def handle_exit(self, sig, frame) -> None:
         if self._drain_requested or self._loop is None:
@@ -120,6 +140,9 @@ class GracefulServer(uvicorn.Server):
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.flight_recorder_steps < 0:
+        print("tokenlane serve: --flight-recorder-steps must be 0 (off) or more", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.config:
@@ -145,6 +168,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutdown_grace_s=args.shutdown_grace_seconds,
         config_poll_interval_s=args.config_poll_seconds,
         config_transform=lambda c: apply_overrides(c, args),
+        flight_recorder_steps=args.flight_recorder_steps,
+        dump_dir=args.dump_dir or default_dump_dir(),
     )
     app = create_app(async_engine, args.config, options=options)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -17,6 +17,11 @@ class LaneStepStats:
     running: int = 0  # sequences of this lane in the running set after the step
     waiting: int = 0  # requests of this lane queued after the step
     scheduled_tokens: int = 0  # tokens this lane got in the step
+    prefill_tokens: int = 0  # of those, prompt tokens (prefill chunks)
+    decode_tokens: int = 0  # of those, decode tokens
+    queued: int = 0  # requests admission control let into the lane queue since the last step
+    started: int = 0  # waiting requests the scheduler started running in the step
+    preempted: int = 0  # running requests of this lane preempted in the step
 
 
 @dataclass
@@ -37,7 +42,9 @@ class StepStats:
 
 class EngineObserver(Protocol):
     def on_step(self, stats: StepStats) -> None:
-        """After every step that scheduled work (and on idle ticks, with zero tokens)."""
+        """After every step that scheduled work (and on idle ticks, with zero tokens).
+        `stats` is a fresh object each step that observers must not change: the flight
+        recorder keeps it as is."""
 
     def on_request_finished(self, request: Request) -> None:
         """Once per request when it reaches a final status: finished, cancelled, timed out,

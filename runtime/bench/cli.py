@@ -5,9 +5,11 @@
     tokenlane bench simulate --config runtime.yaml --traffic traffic.yaml --phase static:engine.continuousBatching=false
     tokenlane bench compare --config runtime.yaml --traffic traffic.yaml \\
         --phase continuous --phase static:engine.continuousBatching=false
+    tokenlane bench report --steps steps.jsonl
 
-Every command prints the table (and ratios between phases) and writes <out>/<stem>.json and
-<out>/<stem>.png. Traffic comes from a YAML spec (keys of trace.TrafficSpec) or the flags.
+`run`, `simulate` and `compare` print the table (and ratios between phases) and write
+<out>/<stem>.json and <out>/<stem>.png; `report` draws flight recorder steps (docs/operations.md)
+as a timeline PNG. Traffic comes from a YAML spec (keys of trace.TrafficSpec) or the flags.
 """
 
 from __future__ import annotations
@@ -239,6 +241,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """A timeline PNG of flight recorder steps (GET /debug/steps output or a SIGUSR1 dump)."""
+    from tokenlane.runtime.flight_recorder import read_steps
+
+    source = Path(args.steps)
+    if not source.is_file():
+        raise ValueError(f"--steps {source}: no such file")
+    steps = read_steps(source)
+    if not steps:
+        raise ValueError(f"--steps {source}: no steps in the file")
+    png = report.plot_steps(Path(args.out) / f"{args.stem or source.stem + '-timeline'}.png", steps,
+                            title=f"flight recorder: {source.name}")
+    refusals = sum(n for s in steps for reasons in s.get("refusals", {}).values() for n in reasons.values())
+    print(f"{len(steps)} steps ({steps[0]['step']}..{steps[-1]['step']}); peak KV usage "
+          f"{max(s['kv']['usage'] for s in steps):.0%}; {sum(s.get('preemptions', 0) for s in steps)} preemptions; "
+          f"{refusals} refusals")
+    print(f"wrote {png}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenlane bench", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -281,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(c)
     _traffic_args(c)
     c.set_defaults(func=cmd_compare)
+
+    rp = sub.add_parser("report", help="draw a timeline PNG of flight recorder steps")
+    rp.add_argument("--steps", required=True, metavar="FILE",
+                    help="GET /debug/steps output (JSON Lines) or a SIGUSR1 dump file")
+    rp.add_argument("--out", default="out/bench", help="output folder (default out/bench)")
+    rp.add_argument("--stem", default=None, help="PNG file name stem (default: FILE's stem + -timeline)")
+    rp.set_defaults(func=cmd_report)
     return p
 
 

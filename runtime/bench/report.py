@@ -356,6 +356,65 @@ def plot(path: str | Path, results: list[RunResult], title: str = "") -> Path:
     return path
 
 
+def plot_steps(path: str | Path, steps: list[dict[str, Any]], title: str = "") -> Path:
+    """PNG timeline of flight recorder steps (x: step id): tokens per lane (prefill solid,
+    decode dashed), KV usage against its high and reject watermarks with preemptions and
+    refusals marked, and running and waiting requests per lane."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not steps:
+        raise ValueError("no steps to draw")
+    xs = np.array([s["step"] for s in steps])
+    lanes = sorted({name for s in steps for name in s["lanes"]})
+
+    def lane_series(lane: str, key: str) -> np.ndarray:
+        return np.array([s["lanes"].get(lane, {}).get(key, 0) for s in steps])
+
+    fig, axes = plt.subplots(3, 1, figsize=(14, 10), sharex=True)
+    for i, lane in enumerate(lanes):
+        color = f"C{i % 10}"
+        axes[0].plot(xs, lane_series(lane, "prefill_tokens"), "-", color=color, lw=1, label=f"{lane} prefill")
+        axes[0].plot(xs, lane_series(lane, "decode_tokens"), "--", color=color, lw=1, label=f"{lane} decode")
+        axes[2].plot(xs, lane_series(lane, "running"), "-", color=color, lw=1, label=f"{lane} running")
+        axes[2].plot(xs, lane_series(lane, "waiting"), ":", color=color, lw=1.5, label=f"{lane} waiting")
+    axes[0].set_ylabel("tokens in the step")
+    axes[0].set_title("tokens per lane per step")
+
+    usage = np.array([s["kv"]["usage"] for s in steps])
+    axes[1].plot(xs, usage, "-", color="C0", lw=1, label="KV usage")
+    for key, color in (("high_watermark", "C1"), ("reject_watermark", "C3")):
+        marks = [s["kv"].get(key) for s in steps]
+        if any(m is not None for m in marks):
+            axes[1].step(xs, [np.nan if m is None else m for m in marks], where="post", color=color, lw=1,
+                         label=key.replace("_", " "))
+    preempted = [s["step"] for s in steps if s.get("preemptions")]
+    refused = [s["step"] for s in steps if s.get("refusals")]
+    if preempted:
+        axes[1].plot(preempted, [1.02] * len(preempted), "v", color="C4", ms=4, ls="none", label="preemptions")
+    if refused:
+        axes[1].plot(refused, [1.06] * len(refused), "x", color="C3", ms=4, ls="none", label="refusals")
+    axes[1].set_ylim(0, 1.1)
+    axes[1].set_ylabel("used / total blocks")
+    axes[1].set_title("KV cache usage and watermarks")
+    axes[2].set_ylabel("requests")
+    axes[2].set_title("queue depths per lane")
+    axes[2].set_xlabel("step")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best", ncol=2)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_all(out_dir: str | Path, stem: str, results: list[RunResult], meta: Optional[dict[str, Any]] = None,
               title: str = "", include_records: bool = True) -> tuple[str, Path, Path]:
     """Table text (returned), JSON and PNG under out_dir."""

@@ -12,6 +12,14 @@ queue stays at 1,000. The timed region is exactly `schedule()` + `update_from_ou
 
 Target: median < 0.5 ms at 256 running / 1,000 waiting. Prints a table of
 p50/p90/p99 per running-set size and writes JSON.
+
+`--recorder-running R` (default 256; 0 skips it) adds the flight recorder's cost: two whole
+`LLMEngine`s over the same workload with the same trivial executor, both observed by the
+Prometheus metrics as in the server, one also by a `FlightRecorder`; their steps alternate
+(which goes first alternates too) so a busy machine slows both alike. It reports the CPU time
+per `engine.step()` of each, and the time spent inside the recorder's `on_step` itself, as a
+share of the recorder-off step (target: at most 2 %). Without a model the step is all CPU, so
+the share of a real step, which adds the model's time, is smaller still.
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ from tokenlane.runtime.config import (
     RuntimeConfig,
     SchedulerConfig,
 )
-from tokenlane.runtime.plan import ExecutorOutput
+from tokenlane.runtime.engine import LLMEngine
+from tokenlane.runtime.flight_recorder import FlightRecorder
+from tokenlane.runtime.metrics import PrometheusMetrics
+from tokenlane.runtime.plan import ExecutorOutput, StepPlan
 from tokenlane.runtime.request import Request, SamplingParams
 from tokenlane.runtime.scheduler import Scheduler
 
@@ -152,6 +163,97 @@ def bench_point(num_running: int, num_waiting: int, steps: int, seed: int = 0, w
     }
 
 
+class TrivialExecutor:
+    """Samples token 1 for every sampling chunk, at once: the engine's own CPU cost only."""
+
+    block_size = 16
+    eos_token_id = None
+    max_model_len = 8192
+
+    def __init__(self, num_kv_blocks: int) -> None:
+        self.num_kv_blocks = num_kv_blocks
+
+    def execute(self, plan: StepPlan) -> ExecutorOutput:
+        return ExecutorOutput(sampled={c.request.request_id: 1 for c in plan.chunks if c.sample})
+
+
+class TimedRecorder(FlightRecorder):
+    """A FlightRecorder that adds up the CPU time of its own `on_step` calls."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cpu_s = 0.0
+
+    def on_step(self, stats) -> None:
+        c0 = cpu()
+        super().on_step(stats)
+        self.cpu_s += cpu() - c0
+
+
+def recorder_overhead(num_running: int, num_waiting: int, steps: int, seed: int = 0, warmup: int = 300,
+                      capacity: int = 4096) -> dict:
+    """CPU time per engine step with and without the flight recorder, side by side."""
+    # Every request goes through admission here: the queues hold the whole initial load.
+    config = make_config(num_running, num_waiting + num_running)
+    num_blocks = num_running * 40 + 4096
+    clock_now = [0.0]
+    engines, works, recorder = [], [], None
+    for with_recorder in (False, True):
+        engine = LLMEngine(config, TrivialExecutor(num_blocks), clock=lambda: clock_now[0])
+        metrics = PrometheusMetrics(config.model.name)
+        metrics.set_config(config)
+        engine.add_observer(metrics)
+        if with_recorder:
+            recorder = TimedRecorder(capacity, config)
+            engine.add_observer(recorder)
+        work = Workload(seed)
+        for _ in range(num_waiting + num_running):
+            engine.add_request(work.request(clock_now[0]))
+        engines.append(engine)
+        works.append(work)
+    assert recorder is not None
+
+    def one_step(which: int) -> float:
+        engine, work = engines[which], works[which]
+        c0 = cpu()
+        outputs = engine.step()
+        spent = cpu() - c0
+        for output in outputs:  # keep the queue full (not timed)
+            if output.finished:
+                engine.add_request(work.request(clock_now[0]))
+        return spent
+
+    warm = 0
+    while (min(e.scheduler.num_running for e in engines) < num_running or warm < warmup) and warm < 5000:
+        one_step(0)
+        one_step(1)
+        clock_now[0] += 0.02
+        warm += 1
+    gc.collect()
+    recorder.cpu_s = 0.0
+    off, on = [], []
+    for i in range(steps):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            (on if which else off).append(one_step(which))
+        clock_now[0] += 0.02
+    mean_off, mean_on = statistics.mean(off), statistics.mean(on)
+    on_step_us = recorder.cpu_s / steps * 1e6
+    return {
+        "running": num_running,
+        "waiting": num_waiting,
+        "steps": steps,
+        "recorder_capacity": capacity,
+        "recorded_steps": len(recorder),
+        "off_mean_ms": mean_off * 1000,
+        "on_mean_ms": mean_on * 1000,
+        "off_p50_ms": statistics.median(off) * 1000,
+        "on_p50_ms": statistics.median(on) * 1000,
+        "recorder_on_step_us": on_step_us,
+        "recorder_on_step_pct": on_step_us / (mean_off * 1e6) * 100,
+        "on_minus_off_pct": (mean_on - mean_off) / mean_off * 100,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write results here")
@@ -160,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="16,64,256,1024", help="running-set sizes")
     parser.add_argument("--warmup", type=int, default=300, help="untimed steps first")
     parser.add_argument("--target-ms", type=float, default=0.5)
+    parser.add_argument("--recorder-running", type=int, default=256,
+                        help="running-set size of the flight recorder on/off comparison (0: skip it)")
+    parser.add_argument("--recorder-target-pct", type=float, default=2.0)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     results = []
@@ -180,6 +285,20 @@ def main(argv: list[str] | None = None) -> int:
         verdict = target["p50_ms"] < args.target_ms
         print(f"\n256 running / {args.waiting} waiting: median {target['p50_ms']:.3f} ms "
               f"(target < {args.target_ms} ms): {'MET' if verdict else 'NOT MET'}")
+    recorder = None
+    if args.recorder_running > 0:
+        recorder = recorder_overhead(args.recorder_running, args.waiting, args.steps, warmup=args.warmup)
+        recorder["target_pct"] = args.recorder_target_pct
+        recorder["target_met"] = recorder["recorder_on_step_pct"] <= args.recorder_target_pct
+        print(f"\nflight recorder, {recorder['running']} running / {args.waiting} waiting: CPU time per "
+              f"engine.step() (trivial executor, Prometheus metrics observing both)")
+        print(f"{'recorder':>9} {'mean ms':>8} {'p50 ms':>8}")
+        print(f"{'off':>9} {recorder['off_mean_ms']:>8.3f} {recorder['off_p50_ms']:>8.3f}")
+        print(f"{'on':>9} {recorder['on_mean_ms']:>8.3f} {recorder['on_p50_ms']:>8.3f}")
+        print(f"recorder on_step: {recorder['recorder_on_step_us']:.2f} us per step = "
+              f"{recorder['recorder_on_step_pct']:.2f} % of the recorder-off step "
+              f"(target <= {args.recorder_target_pct} %): {'MET' if recorder['target_met'] else 'NOT MET'}; "
+              f"on - off: {recorder['on_minus_off_pct']:+.2f} % (noise included)")
     report = {
         "benchmark": "scheduler_step_cpu_time",
         "timed": "Scheduler.schedule() + Scheduler.update_from_output(), trivial executor output",
@@ -189,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_p50_ms_at_256": args.target_ms,
         "target_met": verdict,
         "results": results,
+        "flight_recorder": recorder,
     }
     if args.json:
         with open(args.json, "w") as f:

@@ -180,7 +180,7 @@ def test_printer_columns_and_short_names(stored: Cluster):
     assert "/models/tiny-llama" in wide[1]
     out = stored.kubectl("-n", NS, "get", "lane").stdout.splitlines()
     assert re.split(r"\s{2,}", out[0].strip()) == ["NAME", "MODEL SERVICE", "CLASS", "ISOLATION", "READY", "SLO MET",
-                                                   "AGE"], out
+                                                   "OVERRIDES", "AGE"], out
     assert out[1].split()[:4] == ["tiny-batch", "tiny", "batch", "shared"]
     assert "tiny" in stored.kubectl("get", "tokenlane", "-n", NS).stdout  # the `tokenlane` category
 

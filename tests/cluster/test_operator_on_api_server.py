@@ -254,6 +254,48 @@ def test_zero_writes_to_owned_objects_while_the_deployment_status_changes(sample
     assert applied_at(owned(samples, WORKLOAD_NS, "tiny")) == before
 
 
+def tuning_runs(process: OperatorProcess) -> float:
+    """Tuning runs of ModelService tiny so far (any outcome), from the operator's /metrics."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tokenlane_operator_tuning_runs_total{") and 'modelservice="tiny"' in line)
+
+
+def test_zero_writes_while_the_tuner_holds(samples: Cluster, operator: Run, kubelet):
+    """Quiet status: with tuning on and nothing to change (here: Prometheus cannot be reached,
+    so it holds), a tuning run writes nothing: no per-run timestamp in status, the hold's Event once."""
+    samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--type=merge", "-p",
+                    json.dumps({"spec": {"tuning": {"enabled": True, "interval": "10s",
+                                                    "prometheusUrl": "http://127.0.0.1:9"},
+                                         "rollout": {"verificationWindow": "10s"}}}))
+    try:
+        # Past the rollout guard's verification and the hold's first run (its condition, its Event).
+        wait_for(lambda: (m := samples.get("msvc", "tiny", WORKLOAD_NS)) and
+                 (m["status"].get("rollout") or {}).get("phase") == "Stable" and
+                 (condition(m, "Tuning") or {}).get("reason") == "PrometheusUnavailable",
+                 timeout=120, what="tiny Stable and holding (Tuning=False/PrometheusUnavailable)")
+        runs = tuning_runs(operator.process)
+        wait_for(lambda: tuning_runs(operator.process) >= runs + 1, timeout=60, what="one more tuning run")
+        msvc = samples.get("msvc", "tiny", WORKLOAD_NS)
+        assert "lastRunAt" not in (msvc["status"].get("tuning") or {})
+        since, runs = now_stamp(), tuning_runs(operator.process)
+        wait_for(lambda: tuning_runs(operator.process) >= runs + 3, timeout=120, what="three tuning runs")
+        if samples.has_audit_log:  # tiny, its lanes, its objects and Events ("tiny.<id>"); llama3-8b is scaling
+            about_tiny = [w for w in operator_writes(samples, since) if w.split()[2].startswith("tiny")]
+            assert about_tiny == []
+        assert samples.get("msvc", "tiny", WORKLOAD_NS)["metadata"]["resourceVersion"] == \
+            msvc["metadata"]["resourceVersion"]
+    finally:
+        samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--type=merge", "-p",
+                        json.dumps({"spec": {"tuning": {"enabled": False, "interval": None, "prometheusUrl": None},
+                                             "rollout": {"verificationWindow": None}}}))
+
+
 def test_someone_elses_edit_of_a_rendered_field_is_put_back(samples: Cluster, operator: Run):
     """Drift is judged by managed fields: an edit takes a field over from the operator, which
     applies it back (and only that object)."""

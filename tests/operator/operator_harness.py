@@ -98,6 +98,14 @@ def spec_writes(kmock: Any) -> list[tuple[str, str, Any]]:
     return found
 
 
+def operator_write_calls(kmock: Any) -> list[tuple[str, str, str, str]]:
+    """Every write of the operator (kopf's, the handlers', the tuner's) to any kind, Events
+    included: (verb, plural, subresource, name). Quiet-status tests count these."""
+    return [(_verb(r), r.resource.plural or "", r.subresource or "", r.name or "") for r in list(kmock)
+            if r.headers.get("User-Agent") != TEST_USER_AGENT and r.resource is not None
+            and str(getattr(r.method, "value", r.method)).upper() in ("PATCH", "PUT", "POST", "DELETE")]
+
+
 def operator_writes(kmock: Any) -> int:
     """How many writes the operator made to our kinds (a sanity check for spec_writes)."""
     return sum(1 for r in list(kmock) if r.headers.get("User-Agent") != TEST_USER_AGENT and r.resource is not None

@@ -68,6 +68,9 @@ def test_crd_metadata():
     assert [c["name"] for c in version["additionalPrinterColumns"]][:4] == ["Replicas", "Ready", "Lanes", "SLO Met"]
     lane = yaml.safe_load((ROOT / "crds" / "servinglanes.tokenlane.dev.yaml").read_text())
     assert lane["spec"]["names"]["shortNames"] == ["lane"]
+    # `kubectl get lane` shows whether tuner (or fallback) overrides are in force for a lane.
+    overrides = next(c for c in lane["spec"]["versions"][0]["additionalPrinterColumns"] if c["name"] == "Overrides")
+    assert overrides["jsonPath"] == ".status.overriddenKnobs" and overrides["type"] == "integer"
 
 
 def test_scheduler_defaults_are_the_runtimes():

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tokenlane.runtime.bench import sched_bench
 
 
 def test_sched_bench_writes_json(tmp_path, capsys):
     out = tmp_path / "sched.json"
     assert sched_bench.main(["--sizes", "16,32", "--steps", "30", "--waiting", "40", "--warmup", "20",
-                             "--json", str(out)]) == 0
+                             "--recorder-running", "24", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = report["results"]
     assert [r["running"] for r in rows] == [16, 32]
@@ -18,4 +20,10 @@ def test_sched_bench_writes_json(tmp_path, capsys):
         assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"] <= row["max_ms"]
         assert row["mean_running"] > 0.8 * row["running"]  # steady state really had them running
         assert row["mean_waiting"] >= 40
-    assert "p50 ms" in capsys.readouterr().out
+    recorder = report["flight_recorder"]
+    assert recorder["running"] == 24 and recorder["steps"] == 30
+    assert recorder["recorded_steps"] >= 30  # warm-up steps are recorded too
+    assert recorder["off_mean_ms"] > 0 and recorder["on_mean_ms"] > 0 and recorder["recorder_on_step_us"] > 0
+    assert recorder["recorder_on_step_pct"] == pytest.approx(recorder["recorder_on_step_us"] / (recorder["off_mean_ms"] * 10))
+    printed = capsys.readouterr().out
+    assert "p50 ms" in printed and "flight recorder, 24 running" in printed

@@ -60,8 +60,7 @@ def restart_hash(cluster) -> str:
 async def advance(cluster, seconds: float = INTERVAL + 1) -> dict:
     cluster.clock.now += seconds
     now = cluster.clock.now
-    await wait(cluster, lambda: (status(cluster).get("tuning") or {}).get("lastRunAt") == now,
-               what=f"a tuning run at {now}")
+    await wait(cluster, lambda: cluster.tuning.last_run_at(NS, "tiny") == now, what=f"a tuning run at {now}")
     return status(cluster)
 
 
@@ -114,10 +113,11 @@ async def test_good_revision_becomes_last_known_good(guarded_cluster):
     assert cluster.metrics.calls and {call[4] for call in cluster.metrics.calls} == {NS}
 
     # Not due before spec.tuning.interval has passed: the timer ticks, nothing runs.
-    last = status(cluster)["tuning"]["lastRunAt"]
+    last = cluster.tuning.last_run_at(NS, "tiny")
     cluster.clock.now += 30
     await asyncio.sleep(1.0)  # five timer ticks
-    assert status(cluster)["tuning"]["lastRunAt"] == last
+    assert cluster.tuning.last_run_at(NS, "tiny") == last
+    assert "lastRunAt" not in status(cluster)["tuning"]  # a metric, not a status write every interval
 
     # A budget change is a new revision (new runtime config, same pods): verified, then promoted.
     await cluster.patch_spec("modelservices", "tiny", {"scheduler": {"maxBatchedTokens": 384}})
@@ -257,3 +257,98 @@ async def test_tuner_timer_writes_budgets_status_and_events(guarded_cluster):
     await advance(cluster)
     assert len(unavailable_events()) == 1  # said once, not every interval
     assert (await advance(cluster))["overrides"]["lanes"]["batch"]["maxBatchedTokens"] == 384
+
+
+def writes(cluster) -> list[tuple[str, str, str, str]]:
+    return cluster.harness.operator_write_calls(cluster.kmock)
+
+
+async def test_holding_writes_nothing(guarded_cluster):
+    """Quiet status: while the tuner only holds, a run is no API write at all (no per-run
+    timestamp in status, SLO messages kept, the same Event not posted again)."""
+    cluster = guarded_cluster
+    await start_stable(cluster, _samples(cluster, tuning={"enabled": True, "bounds": {
+        "maxActiveSequences": {"min": 2, "max": 16}}}))
+    # Every lane has headroom and nothing queues: hold. The first hold may write its record.
+    await advance(cluster)
+    st = await advance(cluster)
+    assert st["tuning"]["lastDecision"]["action"] == "hold", st["tuning"]["lastDecision"]
+    before = writes(cluster)
+    for step in range(4):
+        # A window's numbers move while the verdict holds (live numbers are metrics).
+        cluster.metrics.sample = sample(ttft_ms=300 + 10 * step)
+        await advance(cluster)
+    assert writes(cluster)[len(before):] == []
+    from tokenlane.operator import metrics
+
+    runs = metrics.TUNING_RUNS.labels(namespace=NS, modelservice="tiny", outcome="hold")._value.get()
+    assert runs >= 5
+    assert metrics.TUNING_LAST_RUN.labels(namespace=NS, modelservice="tiny")._value.get() == cluster.clock.now
+
+    # Prometheus goes away: one run writes the new condition and one Warning; then quiet again.
+    cluster.metrics.sample = None
+    await advance(cluster)
+    assert cluster.condition("modelservices", "tiny", "Tuning")["reason"] == "PrometheusUnavailable"
+    def outage_events():
+        return [e for e in events(cluster, "TuningHeld") if "Prometheus unavailable" in e["message"]]
+
+    await wait(cluster, outage_events, what="TuningHeld Event")
+    before = writes(cluster)
+    for _ in range(3):
+        await advance(cluster)
+    assert writes(cluster)[len(before):] == []
+    assert [e["type"] for e in outage_events()] == ["Warning"]
+
+
+async def test_hold_while_verifying_is_a_normal_event(guarded_cluster):
+    """Verifying a revision is routine: its TuningHeld is Normal even while Prometheus is down."""
+    cluster = guarded_cluster
+    await start_stable(cluster, _samples(cluster, tuning={"enabled": True}))
+    await cluster.patch_spec("modelservices", "tiny", {"scheduler": {"maxBatchedTokens": 384}})
+    await wait(cluster, lambda: runtime_yaml(cluster).scheduler.max_batched_tokens == 384, what="new budget")
+    cluster.metrics.sample = None
+    earlier = len(events(cluster, "TuningHeld"))  # start_stable's own verification held too
+    st = await advance(cluster)
+    assert st["rollout"]["phase"] == "Verifying"
+    held = await wait(cluster, lambda: events(cluster, "TuningHeld")[earlier:], what="TuningHeld Event")
+    assert [(e["type"], "verifying revision" in e["message"]) for e in held] == [("Normal", True)]
+    assert cluster.condition("modelservices", "tiny", "Tuning")["reason"] == "VerifyingRevision"
+
+
+async def test_user_edit_wins_over_the_tuner_override(guarded_cluster):
+    """Precedence: the tuner's override of a knob is dropped when the user edits that knob's
+    spec value; the edit is in force after one reconcile, status says where each value comes from."""
+    cluster = guarded_cluster
+    await start_stable(cluster, _samples(cluster, tuning={"enabled": True, "bounds": {
+        "maxActiveSequences": {"min": 2, "max": 16}, "maxBatchedTokens": {"min": 128, "max": 512}}}))
+    cluster.metrics.sample = sample(ttft_ms=2000, queue_ms=1500)
+    st = await advance(cluster)
+    assert st["overrides"]["lanes"]["batch"]["maxBatchedTokens"] == 384
+    assert st["overrides"]["learnedFrom"]["lanes"]["batch"]["maxBatchedTokens"] == 512
+    await wait(cluster, lambda: runtime_yaml(cluster).lane("batch").max_batched_tokens == 384, what="tuned value")
+    lane = await wait(cluster, lambda: (cluster.obj("servinglanes", "tiny-batch")["status"].get("budgets") or {})
+                      .get("maxBatchedTokens", {}).get("source") == "tuner" and cluster.obj("servinglanes", "tiny-batch"),
+                      what="lane status: source tuner")
+    assert lane["status"]["budgets"]["maxBatchedTokens"] == {"value": 384, "source": "tuner"}
+    assert lane["status"]["overriddenKnobs"] >= 1
+
+    # The user sets the knob: the ServingLane's reconcile renders it, no tuning run needed.
+    cluster.metrics.sample = sample()
+    runs_before = cluster.tuning.last_run_at(NS, "tiny")
+    batch = cluster.obj("servinglanes", "tiny-batch")
+    await cluster.patch_spec("servinglanes", "tiny-batch", {"budgets": {**batch["spec"]["budgets"],
+                                                                        "maxBatchedTokens": 256}})
+    await wait(cluster, lambda: runtime_yaml(cluster).lane("batch").max_batched_tokens == 256, what="user's value")
+    assert cluster.tuning.last_run_at(NS, "tiny") == runs_before
+    await wait(cluster, lambda: cluster.obj("servinglanes", "tiny-batch")["status"]["budgets"]["maxBatchedTokens"]
+               == {"value": 256, "source": "spec"}, what="lane status: source spec")
+
+    # The next tuning run drops the override from status and says so; the spec value stays in force.
+    st = await advance(cluster)
+    assert "maxBatchedTokens" not in ((st.get("overrides") or {}).get("lanes") or {}).get("batch", {})
+    dropped = await wait(cluster, lambda: events(cluster, "OverrideDropped"), what="OverrideDropped Event")
+    assert "batch.maxBatchedTokens: spec changed 512->256, tuner override 384 dropped" in dropped[-1]["message"]
+    for _ in range(3):  # verifying the new revision, then tuning again: never over the edit
+        await advance(cluster, 61)
+        assert runtime_yaml(cluster).lane("batch").max_batched_tokens <= 256
+    assert cluster.obj("servinglanes", "tiny-batch")["spec"]["budgets"]["maxBatchedTokens"] == 256

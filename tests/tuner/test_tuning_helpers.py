@@ -61,7 +61,9 @@ def test_overrides_hold_only_values_that_differ_from_the_spec():
     current = {"engine": {"continuousBatching": False}, "lanes": {"a": {"maxActiveSequences": 6}}}
     out = tuning.tuned_overrides(current, spec, tuned)
     assert out == {"engine": {"continuousBatching": False}, "lanes": {"a": {"maxBatchedTokens": 384}},
-                   "scheduler": {"kvCacheHighWatermark": 0.86}}
+                   "scheduler": {"kvCacheHighWatermark": 0.86},
+                   # the spec values they were learned against: a user's edit of one drops it
+                   "learnedFrom": {"lanes": {"a": {"maxBatchedTokens": 512}}, "scheduler": {"kvCacheHighWatermark": 0.88}}}
     back = tuning.tuned_overrides(out, spec, spec)
     assert back == {"engine": {"continuousBatching": False}}
 
