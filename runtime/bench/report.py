@@ -346,14 +346,7 @@ def plot(path: str | Path, results: list[RunResult], title: str = "") -> Path:
     axes[2].set_title("output tokens/s over time")
     axes[2].grid(True, alpha=0.3)
     axes[2].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, plt, path, title)
 
 
 def plot_steps(path: str | Path, steps: list[dict[str, Any]], title: str = "") -> Path:
@@ -405,14 +398,7 @@ def plot_steps(path: str | Path, steps: list[dict[str, Any]], title: str = "") -
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="best", ncol=2)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, plt, path, title)
 
 
 def write_all(out_dir: str | Path, stem: str, results: list[RunResult], meta: Optional[dict[str, Any]] = None,
@@ -423,3 +409,15 @@ def write_all(out_dir: str | Path, stem: str, results: list[RunResult], meta: Op
     png = plot(out_dir / f"{stem}.png", results, title)
     text = format_table(doc["phases"]) + "\n" + format_ratios(doc["comparison"])
     return text, out_dir / f"{stem}.json", png
+
+
+def _save(fig, plt, path, title: Optional[str]) -> Path:
+    """Title, lay out, write the PNG (making its folder) and free the figure."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -9,6 +9,7 @@ down at the end of the test (or module, for `shared_server`).
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.runtime.config import load_config
 from tokenlane.runtime.app import ServerOptions, create_app
+
+# --import-mode=importlib does not put test folders on sys.path: the helper module
+# serve_process.py (a unique name) is imported by the tests that start `tokenlane serve`.
+sys.path.insert(0, str(Path(__file__).parent))
 
 BASIC_CONFIG = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}

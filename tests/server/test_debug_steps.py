@@ -6,12 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
+from serve_process import start_serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.runtime.config import hash_api_key
@@ -23,12 +21,6 @@ tenants:
   - {{name: alpha, apiKeySha256: "{alpha}"}}
 """
 ALPHA = {"Authorization": "Bearer alpha-secret"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def steps_of(response: httpx.Response) -> list[dict]:
@@ -105,24 +97,9 @@ def test_sigusr1_dumps_steps_metrics_and_config(tiny_model_dir, tmp_path):
     config = tmp_path / "runtime.yaml"
     config.write_text(SIM_CONFIG.format(model=tiny_model_dir))
     dumps = tmp_path / "dumps"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(config), "--host", "127.0.0.1",
-         "--port", str(port), "--dump-dir", str(dumps), "--flight-recorder-steps", "64", "--log-level", "info"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc, url = start_serve(config, "--dump-dir", str(dumps), "--flight-recorder-steps", "64", "--log-level", "info")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        deadline = time.monotonic() + 60
         r = httpx.post(url + "/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 3, "ignore_eos": True},
                        timeout=60)
         assert r.status_code == 200, r.text
@@ -130,7 +107,7 @@ def test_sigusr1_dumps_steps_metrics_and_config(tiny_model_dir, tmp_path):
         proc.send_signal(signal.SIGUSR1)
         while not list(dumps.glob("tokenlane-dump-*.json")):  # renamed into place when complete
             assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline + 60, "no dump was written"
+            assert time.monotonic() < deadline, "no dump was written"
             time.sleep(0.05)
         [path] = dumps.glob("tokenlane-dump-*.json")
         document = json.loads(path.read_text())

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
+from serve_process import start_serve
 
 # The simulated executor sleeps each step's simulated GPU time (about 6 ms per decode step
 # here): the short request needs about 0.1 s; the long one at least 60 s, so it is still in
@@ -25,12 +23,6 @@ scheduler: {{maxActiveSequences: 8, maxBatchedTokens: 256, prefillChunkSize: 128
 
 GRACE_S = 120.0
 LONG_TOKENS = 10_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StreamReader(threading.Thread):
@@ -70,25 +62,8 @@ class StreamReader(threading.Thread):
 def test_sigterm_drains_and_exits_cleanly(tiny_model_dir, tmp_path):
     config = tmp_path / "runtime.yaml"
     config.write_text(CONFIG.format(model=tiny_model_dir))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(config), "--host", "127.0.0.1",
-         "--port", str(port), "--shutdown-grace-seconds", str(GRACE_S), "--log-level", "info"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc, url = start_serve(config, "--shutdown-grace-seconds", str(GRACE_S), "--log-level", "info")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
-
         short = StreamReader(url, max_tokens=16)  # finishes while the server drains
         long = StreamReader(url, max_tokens=LONG_TOKENS)  # in flight until its client leaves
         for reader in (short, long):
