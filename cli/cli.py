@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "render": ("tokenlane.operator.render", "print the objects the operator would create"),
     "check": ("tokenlane.operator.check", "lint a runtime.yaml or ModelService/ServingLanes for going live"),
     "bench": ("tokenlane.runtime.bench.cli", "load generator, simulator and report"),
+    "plan": ("tokenlane.runtime.bench.plan", "lane budgets and replicas for your own traffic, in the simulator"),
     "demo": ("tokenlane.runtime.bench.demo", "the embedded demo: tiny model, three lanes"),
     "make-tiny-model": ("tokenlane.runtime.tiny_model", "write a small random-weight checkpoint"),
 }

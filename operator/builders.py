@@ -10,6 +10,11 @@ What gets built for a ModelService `m` (namespace of `m`):
   (only when the Prometheus Operator's CRD exists);
 - for each lane with `isolation: dedicated`: ConfigMap `m-<lane>-config`, Deployment and
   Service `m-<lane>` (a pool serving only that lane, default for every request it gets).
+- with `spec.router.enabled`: Deployment and Service `m-router` running `tokenlane router` in
+  front of the shared pool (docs/fleet.md).
+
+Replicas of the shared pool: `spec.replicas`, or while `spec.autoscaling.enabled` the
+autoscaler's decision in `status.autoscaling.desiredReplicas` (`shared_replicas`).
 
 Hot reload vs restart: the ConfigMap is mounted as a folder (not subPath) so the kubelet
 updates it in place and the runtime reloads budgets without a restart. The pod template
@@ -416,6 +421,126 @@ def service_monitor(msvc: ModelService, pool: Pool) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- replicas and the router
+
+
+def shared_replicas(msvc: ModelService) -> int:
+    """Pods of the shared pool: spec.replicas, or, while spec.autoscaling is enabled, the
+    autoscaler's last decision (status.autoscaling.desiredReplicas) within its bounds. Before
+    the first decision it is spec.replicas within the bounds."""
+    autoscaling = msvc.spec.get("autoscaling") or {}
+    if not autoscaling.get("enabled"):
+        return msvc.spec["replicas"]
+    # The CRD's rules, for servers and files that do not check them (kmock, `tokenlane render`).
+    if autoscaling.get("maxReplicas") is None:
+        raise ValueError("spec.autoscaling: autoscaling.enabled needs autoscaling.maxReplicas")
+    if not autoscaling.get("prometheusUrl"):
+        raise ValueError("spec.autoscaling: autoscaling.enabled needs autoscaling.prometheusUrl")
+    low, high = autoscaling.get("minReplicas", 1), autoscaling["maxReplicas"]
+    if low > high:
+        raise ValueError(f"spec.autoscaling: minReplicas ({low}) must be <= maxReplicas ({high})")
+    decided = ((msvc.status or {}).get("autoscaling") or {}).get("desiredReplicas")
+    wanted = msvc.spec["replicas"] if decided is None else int(decided)
+    return max(low, min(high, wanted))
+
+
+ROUTER_COMPONENT = "router"
+
+
+def router_name(msvc: ModelService) -> str:
+    return f"{msvc.name}-router"
+
+
+def router_selector(msvc: ModelService) -> dict[str, str]:
+    return {LABEL_INSTANCE: msvc.name, LABEL_COMPONENT: ROUTER_COMPONENT}
+
+
+def _router_metadata(msvc: ModelService) -> dict:
+    meta: dict[str, Any] = {"name": router_name(msvc), "namespace": msvc.namespace,
+                            "labels": {**common_labels(msvc), LABEL_COMPONENT: ROUTER_COMPONENT}}
+    owner = owner_reference(msvc)
+    if owner:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+def router_deployment(msvc: ModelService, shared: Pool) -> dict:
+    """`tokenlane router` in front of the shared pool. It finds the pods through the EndpointSlices
+    of the pool's Service, and reads the pool's runtime.yaml once at start (tenants, lane rules)."""
+    spec = msvc.spec
+    router = spec["router"]
+    port = spec["port"]
+    res = router.get("resources") or {}
+
+    def probe(path: str, period: int, failures: int) -> dict:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
+                "failureThreshold": failures}
+
+    container = {
+        "name": "router",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["tokenlane"],
+        "args": ["router", "--endpointslice-service", shared.object_name, "--namespace", msvc.namespace,
+                 "--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--host", "0.0.0.0", "--port", str(port),
+                 "--log-level", spec["logLevel"]],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {part: dict(res[part]) for part in ("requests", "limits") if res.get(part)},
+        "livenessProbe": probe("/health", 10, 6),
+        # Ready while at least one replica is: a router with none answers every request 503.
+        "readinessProbe": probe("/ready", 5, 3),
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": router["serviceAccountName"],
+        "automountServiceAccountToken": True,  # the router watches EndpointSlices
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": f"{shared.object_name}-config"}},
+                    {"name": "tmp", "emptyDir": {}}],
+    }
+    for key in ("nodeSelector", "tolerations", "priorityClassName", "imagePullSecrets"):
+        if spec.get(key):
+            pod_spec[key] = spec[key]
+    selector = router_selector(msvc)
+    template_meta: dict[str, Any] = {"labels": {**common_labels(msvc), **selector}}
+    if spec["monitoring"]["scrapeAnnotations"]:  # the router's own picks and upstream errors
+        template_meta["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                                        "prometheus.io/path": "/metrics"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _router_metadata(msvc),
+        "spec": {
+            "replicas": router["replicas"],
+            "revisionHistoryLimit": 5,
+            "selector": {"matchLabels": selector},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": template_meta, "spec": pod_spec},
+        },
+    }
+
+
+def router_service(msvc: ModelService) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _router_metadata(msvc),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": router_selector(msvc),
+            "ports": [{"name": "http", "port": msvc.spec["port"], "targetPort": "http", "protocol": "TCP",
+                       "appProtocol": "http"}],
+        },
+    }
+
+
 def _with_applied_hash(obj: dict) -> dict:
     """Stamp the hash of the object as built: the planner compares it to see removed fields too."""
     obj["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = _hash(obj)
@@ -443,7 +568,7 @@ def build(msvc: ModelService, lanes: list[ServingLane], *, overrides: Optional[O
     shared_lanes = [l for l in admitted if not l.dedicated]
     pools: list[Pool] = []
     shared_config = runtime_config(msvc, shared_lanes, overrides)
-    pools.append(Pool(SHARED_POOL, msvc.name, shared_config, dumps_config(shared_config), msvc.spec["replicas"],
+    pools.append(Pool(SHARED_POOL, msvc.name, shared_config, dumps_config(shared_config), shared_replicas(msvc),
                       [lc.name for lc in shared_config.lanes]))
     for lane in admitted:
         if lane.dedicated:
@@ -454,12 +579,18 @@ def build(msvc: ModelService, lanes: list[ServingLane], *, overrides: Optional[O
         if len(pool.object_name) > 63:
             raise ValueError(f"object name {pool.object_name!r} is longer than 63 characters; "
                              "shorten the ModelService name or the lane's laneName")
+    routed = bool((msvc.spec.get("router") or {}).get("enabled"))
+    if routed and any(pool.object_name == router_name(msvc) for pool in pools):
+        raise ValueError(f"the router's objects are named {router_name(msvc)!r}, as a dedicated lane's pool: "
+                         "rename that lane's laneName or turn spec.router off")
 
     objects: list[dict] = [config_map(msvc, pool) for pool in pools]
     for pool in pools:
         objects.append(deployment(msvc, pool, pool.config.restart_hash()))
         objects.append(service(msvc, pool))
     shared = pools[0]
+    if routed:
+        objects += [router_deployment(msvc, shared), router_service(msvc)]
     if msvc.spec["disruptionBudget"]["enabled"]:
         objects.append(pod_disruption_budget(msvc, shared))
     if service_monitor_available and msvc.spec["monitoring"]["serviceMonitor"]:
@@ -470,4 +601,8 @@ def build(msvc: ModelService, lanes: list[ServingLane], *, overrides: Optional[O
 
 
 def endpoint(msvc: ModelService, pool: Pool) -> str:
-    return f"http://{pool.object_name}.{msvc.namespace}.svc:{msvc.spec['port']}"
+    """Where clients of this pool send requests: the router in front of the shared pool when
+    `spec.router` is on, else the pool's own Service."""
+    routed = bool((msvc.spec.get("router") or {}).get("enabled"))
+    name = router_name(msvc) if routed and pool.name == SHARED_POOL else pool.object_name
+    return f"http://{name}.{msvc.namespace}.svc:{msvc.spec['port']}"

@@ -16,6 +16,9 @@ Errors: an invalid spec -> status conditions + a Warning Event + `kopf.Permanent
 retry until the spec changes); API trouble (409, 429, 5xx, no connection) ->
 `kopf.TemporaryError(delay=...)`. The operator never writes spec.
 
+Autoscaling: a timer per ModelService (scaling.py) writes `status.autoscaling` and, when the
+desired replicas change, runs the reconcile, which renders them (builders.shared_replicas).
+
 Tuning hook: a tuner writes ModelService `status.overrides` and then awaits
 `reconcile_model_service(op, namespace, name)` (or waits for the 60 s timer); it should hold
 `op.lock_for(namespace, name)` only around its own status writes, not around the call.
@@ -25,6 +28,7 @@ The budget path end to end: docs/architecture.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import kopf
 
-from tokenlane.operator import builders, k8s, last_known_good, metrics, planner, precedence, reads
+from tokenlane.operator import builders, k8s, last_known_good, metrics, planner, precedence, reads, scaling
 from tokenlane.operator import status as status_mod
 from tokenlane.operator.model import parse_model_service, parse_serving_lane
 
@@ -53,6 +57,7 @@ class Operator:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     _service_monitor: tuple[float, bool] = (0.0, False)
     timer_interval_s: float = TIMER_INTERVAL_S
+    autoscaling: scaling.Autoscaling = field(default_factory=scaling.Autoscaling)  # its timer's clock and memory
 
     def __post_init__(self) -> None:
         if self.client is None:
@@ -282,6 +287,16 @@ def register(registry: kopf.OperatorRegistry, op: Operator, *,
             pass  # already reported; the timer does not retry a broken spec
         except k8s.ApiError as exc:
             log.warning("periodic reconcile of %s/%s: %s", namespace, name, exc)
+
+    @kopf.on.timer(**MSVC, interval=op.autoscaling.tick_s, initial_delay=op.autoscaling.tick_s, idle=None)
+    async def autoscaling_timer(namespace: str, name: str, spec: Any, status: Any, **_: Any) -> None:
+        try:
+            await scaling.tick(op.autoscaling, op.client, op.executor, op.lock_for(namespace, name), namespace, name,
+                               spec, status, functools.partial(reconcile_model_service, op))
+        except InvalidSpec:
+            pass  # already reported by the reconcile
+        except k8s.ApiError as exc:
+            log.warning("autoscaling %s/%s: %s", namespace, name, exc)
 
     @kopf.on.delete(**MSVC)
     async def model_service_deleted(namespace: str, name: str, **_: Any) -> None:

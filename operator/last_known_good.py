@@ -77,9 +77,9 @@ async def load(client: k8s.KubeClient, namespace: str, name: str) -> Optional[di
 async def inputs_in_force(client: k8s.KubeClient, msvc: ModelService, lanes: list[ServingLane], *,
                           revision: Optional[str] = None) -> tuple[ModelService, list[ServingLane]]:
     """What the operator's reconcile should render: the spec, or, while a rollback or the
-    fallback is in force, the last-known-good inputs (spec untouched; replicas stay the
-    user's, since scaling is not a revision). Lanes added since the LKG are left out (marked
-    deleting) until the spec changes again. `revision`: the spec's, when the caller has it."""
+    fallback is in force, the last-known-good inputs (spec untouched; replicas, autoscaling
+    and the router stay the user's, since scaling and routing are not a revision). Lanes
+    added since the LKG are left out (marked deleting) until the spec changes again. `revision`: the spec's, when the caller has it."""
     state = rollout.RolloutState.from_dict((msvc.status or {}).get("rollout"))
     if state is None or state.phase not in (rollout.ROLLED_BACK, rollout.FALLBACK) or not state.lkg:
         return msvc, lanes
@@ -98,7 +98,12 @@ async def inputs_in_force(client: k8s.KubeClient, msvc: ModelService, lanes: lis
                     msvc.namespace, msvc.name, state.lkg)
         return msvc, lanes
     spec = copy.deepcopy(inputs["modelService"])
-    spec["replicas"] = msvc.spec["replicas"]
+    # Scaling and routing are not part of a revision: replicas, autoscaling and the router stay the user's.
+    for key in ("replicas", "autoscaling", "router"):
+        if key in msvc.spec:
+            spec[key] = copy.deepcopy(msvc.spec[key])
+        else:
+            spec.pop(key, None)
     pinned = ModelService(ref=msvc.ref, spec=spec, labels=msvc.labels, status=msvc.status)
     lane_specs = inputs.get("lanes") or {}
     pinned_lanes = []

@@ -1,8 +1,9 @@
 """Reading the runtime's metrics back from Prometheus (HTTP API, PromQL) for the tuner.
 
 One `MetricSample` per model and window: per lane TTFT / TPOT / queue-delay p95 from the
-runtime's histograms (docs/metrics.md), finished and rejected request rates (the thin-data
-check and the rejection share), generated tokens per second, queued requests; and for the
+runtime's histograms (docs/metrics.md), answered and refused request rates (the thin-data
+check and the refused share: 429/503 refusals and 504 queue timeouts, 429 queue_full also
+on its own), generated tokens per second, queued requests; and for the
 whole model the highest KV usage and the preemption rate. Any failure (connection refused,
 timeout, HTTP error, a PromQL error) gives `MetricSample.unavailable(reason)`, never an
 exception: the tuner then holds the budgets and says why.
@@ -59,12 +60,24 @@ def queries(model: str, window_s: float, extra: Mapping[str, str] | None = None)
         "ttft_p95": p95("time_to_first_token_seconds"),
         "tpot_p95": p95("time_per_output_token_seconds"),
         "queue_delay_p95": p95("queue_delay_seconds"),
-        "requests": f"sum by (lane, outcome) (rate({PREFIX}requests_total{{{m}}}[{w}]))",
+        "requests": f"sum by (lane, outcome, reason) (rate({PREFIX}requests_total{{{m}}}[{w}]))",
         "throughput": f"sum by (lane) (rate({PREFIX}generation_tokens_total{{{m}}}[{w}]))",
         "waiting": f"sum by (lane) (avg_over_time({PREFIX}requests_waiting{{{m}}}[{w}]))",
         "kv_usage": f"max(max_over_time({PREFIX}kv_cache_usage_ratio{{{m}}}[{w}]))",
         "preemptions": f"sum(rate({PREFIX}preemptions_total{{{m}}}[{w}]))",
     }
+
+
+# outcome="rejected" reasons the server answers with a 400 (the request itself is at fault).
+CLIENT_ERROR_REJECTIONS = ("too_long", "invalid")
+
+
+def refused(outcome: str, reason: str) -> bool:
+    """A request the lane refused (429/503) or let time out (504): what a lane's
+    `slo.maxRefusedShare` budgets. Invalid requests (400) are the caller's fault, not a refusal."""
+    if outcome == "timeout":
+        return True
+    return outcome == "rejected" and reason not in CLIENT_ERROR_REJECTIONS
 
 
 def _number(text: str) -> Optional[float]:
@@ -147,10 +160,11 @@ def sample_from_results(
         for series in results.get(name, []):
             put(lane_of(series), key, series.value)
     for series in results.get("requests", []):
-        outcome = series.labels.get("outcome", "")
-        # Rejected and queue-timed-out requests never got an answer: both count as failed.
-        key = "rejection_rate" if outcome in ("rejected", "timeout") else "request_rate"
+        outcome, reason = series.labels.get("outcome", ""), series.labels.get("reason", "")
+        key = "rejection_rate" if refused(outcome, reason) else "request_rate"
         put(lane_of(series), key, series.value, add=True)
+        if key == "rejection_rate" and reason == "queue_full":
+            put(lane_of(series), "queue_full_rate", series.value, add=True)
     for series in results.get("throughput", []):
         put(lane_of(series), "throughput_tokens_s", series.value, add=True)
     for series in results.get("waiting", []):

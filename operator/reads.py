@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tokenlane.operator import k8s
+from tokenlane.operator import builders, k8s
 from tokenlane.operator.model import ServingLane, parse_serving_lane
 from tokenlane.operator.rollout import PodReadiness
 
@@ -35,10 +35,14 @@ async def list_lanes(client: k8s.KubeClient, namespace: str, parent: str) -> tup
 
 
 async def pod_readiness(executor: k8s.Executor, namespace: str, name: str) -> PodReadiness:
-    """Desired, updated and ready pods over every Deployment the ModelService owns."""
+    """Desired, updated and ready runtime pods over every Deployment the ModelService owns
+    (the router's Deployment serves no model and is left out)."""
     deployments = await executor.observe(namespace, name, kinds=(k8s.DEPLOYMENTS,))
     desired = updated = ready = 0
     for dep in deployments:
+        labels = (dep.get("metadata") or {}).get("labels") or {}
+        if labels.get(builders.LABEL_COMPONENT, "runtime") != "runtime":
+            continue
         want = int((dep.get("spec") or {}).get("replicas") or 0)
         st = dep.get("status") or {}
         desired += want

@@ -390,7 +390,7 @@ def evaluate(
 
     # Stable: keep the promotion's baseline; fall back if even the LKG misses badly.
     numbers = baseline_from(sample, lanes, policy.min_requests)
-    return _check_fallback(policy, state, now, numbers, lanes, keep_phase=STABLE)
+    return _check_fallback(policy, state, now, numbers, lanes)
 
 
 def _verify(policy: RolloutPolicy, state: RolloutState, now: float, pods: PodReadiness,
@@ -417,7 +417,8 @@ def _verify(policy: RolloutPolicy, state: RolloutState, now: float, pods: PodRea
                                f"{policy.verification_window_s:.0f}s")
     if not policy.metrics or (not sample.available and watched >= 2 * policy.verification_window_s):
         why = "no Prometheus configured" if not policy.metrics else f"metrics unavailable ({sample.error})"
-        new = replace(state, phase=STABLE, lkg=state.revision,
+        # No verified window: the previous revision's numbers are not this one's baseline.
+        new = replace(state, phase=STABLE, lkg=state.revision, baseline={},
                       message=f"revision {state.revision} is last-known-good (pods ready; {why}: "
                               "SLOs not compared)")
         return RolloutDecision(PROMOTE, new, "Promoted", new.message)
@@ -432,7 +433,9 @@ def _verify(policy: RolloutPolicy, state: RolloutState, now: float, pods: PodRea
     compared = sorted(set(state.baseline) & set(after))
     note = (f"no regression in {', '.join(compared)}" if compared
             else "no lane had enough traffic to compare" if state.lkg else "first revision")
-    new = replace(state, phase=STABLE, lkg=state.revision, baseline=after or state.baseline,
+    # The baseline is this verified window, frozen until the next promotion (a lane with too
+    # little traffic in it has none: later windows may hold a probe or a rollback).
+    new = replace(state, phase=STABLE, lkg=state.revision, baseline=after,
                   message=f"revision {state.revision} is last-known-good ({note})")
     return RolloutDecision(PROMOTE, new, "Promoted", new.message)
 
@@ -449,7 +452,7 @@ def _roll_back(state: RolloutState, reason: str, message: str, found: tuple[Regr
 def _while_rolled_back(policy: RolloutPolicy, state: RolloutState, now: float, sample: MetricSample,
                        lanes: Sequence[LaneTarget]) -> RolloutDecision:
     numbers = baseline_from(sample, lanes, policy.min_requests)
-    decision = _check_fallback(policy, state, now, numbers, lanes, keep_phase=state.phase)
+    decision = _check_fallback(policy, state, now, numbers, lanes)
     if decision.action != NONE:
         return decision
     # Keep the LKG in force while the spec still asks for the bad revision.
@@ -457,27 +460,15 @@ def _while_rolled_back(policy: RolloutPolicy, state: RolloutState, now: float, s
                            state.message, restore_revision=state.lkg)
 
 
-def _with_missing_baselines(state: RolloutState, numbers: Mapping[str, LaneBaseline]) -> RolloutState:
-    """The baseline is the last-known-good's verified window, kept from promotion: a later
-    window only fills in a lane that had too little traffic then. Refreshing it from every
-    window would let a probe's window become the yardstick, and write status every interval."""
-    missing = {lane: n for lane, n in numbers.items() if lane not in state.baseline}
-    return replace(state, baseline={**state.baseline, **missing}) if missing else state
-
-
 def _check_fallback(policy: RolloutPolicy, state: RolloutState, now: float, numbers: Mapping[str, LaneBaseline],
-                    lanes: Sequence[LaneTarget], keep_phase: str) -> RolloutDecision:
+                    lanes: Sequence[LaneTarget]) -> RolloutDecision:
+    # The baseline is never touched here: it is the last-known-good's verified window, frozen
+    # at promotion. A later window may hold a probe, a revert or a rollback.
     if state.phase == FALLBACK or policy.fallback is None or state.lkg is None:
-        new = state
-        if keep_phase == STABLE and state.phase == STABLE:
-            new = _with_missing_baselines(state, numbers)
-        return RolloutDecision(NONE, new, state.phase, state.message)
+        return RolloutDecision(NONE, state, state.phase, state.message)
     bad = _badly_missing(policy, lanes, numbers)
     if not bad:
-        new = replace(state, bad_since=None)
-        if keep_phase == STABLE:
-            new = _with_missing_baselines(new, numbers)
-        return RolloutDecision(NONE, new, state.phase, state.message)
+        return RolloutDecision(NONE, replace(state, bad_since=None), state.phase, state.message)
     since = state.bad_since if state.bad_since is not None else now
     if now - since < policy.fallback_after_s:
         new = replace(state, bad_since=since)

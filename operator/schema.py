@@ -21,6 +21,7 @@ from typing import Any, Optional
 import yaml
 
 from tokenlane.runtime.config import LANE_KNOBS, SCHEDULER_KNOBS, TUNED_KNOBS, Knob, LaneConfig, SchedulerConfig, _camel
+from tokenlane.runtime.config import DEFAULT_MAX_REFUSED_SHARE
 
 GROUP = "tokenlane.dev"
 VERSION = "v1alpha1"
@@ -180,6 +181,10 @@ def _scheduler() -> dict:
     props = {k.key: _knob(k, k.doc, d.get(k.key)) for k in SCHEDULER_KNOBS}
     props["policy"] = _str("decode-first schedules running decodes before new prefill chunks; mixed interleaves.",
                            default=d["policy"], enum=["decode-first", "mixed"])
+    props["stepTimeBudget"] = _str("auto caps each step's estimated time so the tightest TPOT target of the running "
+                                   "lanes holds; off bounds steps by the token budgets only.",
+                                   default=d["stepTimeBudget"],
+                                   enum=["off", "auto"])
     return _obj(
         "Global scheduler budgets of every runtime pod (hot-reloaded, no restart). Lanes may cap them; "
         "with tuning enabled the operator adjusts the effective values within the tuning bounds.",
@@ -371,8 +376,75 @@ def model_service_spec() -> dict:
                 },
                 defaulted=True,
             ),
+            "autoscaling": _autoscaling(),
+            "router": _router(),
         },
         required=["model"],
+    )
+
+
+def _autoscaling() -> dict:
+    """spec.autoscaling: operator/autoscaler.py's AutoscalingPolicy (docs/fleet.md)."""
+    lane = _obj("Scaling targets of one lane (at least one).", {
+        "lane": _str("The lane's laneName.", pattern=DNS_LABEL_PATTERN, max_length=63),
+        "queueDelayP95Ms": _num("Queue delay p95 to scale for, milliseconds.", minimum=0, exclusive_minimum=True),
+        "sloAttainmentPercent": _num("Share of the lane's requests whose time to first token meets the lane's "
+                                     "slo.ttftP95Ms, percent (below 100).", minimum=0, maximum=100,
+                                     exclusive_minimum=True),
+    }, required=["lane"], rules=[
+        ("has(self.queueDelayP95Ms) || has(self.sloAttainmentPercent)",
+         "a lane target needs queueDelayP95Ms or sloAttainmentPercent"),
+        ("!has(self.sloAttainmentPercent) || self.sloAttainmentPercent < 100.0", "sloAttainmentPercent must be < 100"),
+    ])
+
+    def stabilization(what: str, pick: str, default: str) -> dict:
+        return _obj(f"Stabilization of {what}s (as an HPA's behavior).", {
+            "stabilizationWindow": _duration(f"A {what} goes to the {pick} recommendation of this window.", default),
+        }, defaulted=True)
+
+    return _obj(
+        "Replica autoscaling of the shared pool from Prometheus metrics. While enabled the operator owns the "
+        "Deployment's replicas and spec.replicas is ignored; never together with an HPA or KEDA on this "
+        "ModelService or its Deployment.",
+        {
+            "enabled": _bool("Let the operator size the shared pool.", default=False),
+            "prometheusUrl": _str("Base URL of the Prometheus HTTP API.", pattern=r"^https?://", max_length=1024),
+            "minReplicas": _int("Fewest pods (at least 1: no scale from zero).", default=1, minimum=1, maximum=1000,
+                                fmt="int32"),
+            "maxReplicas": _int("Most pods.", minimum=1, maximum=1000, fmt="int32"),
+            "interval": _duration("How often the operator decides.", "30s"),
+            "window": _duration("Range of the PromQL rate/quantile queries.", "2m"),
+            "scaleUp": stabilization("scale-up", "lowest", "0s"),
+            "scaleDown": stabilization("scale-down", "highest", "5m"),
+            "kvUsageTarget": _num("Average KV-cache usage over the pods to size for.", default=0.75, minimum=0,
+                                  maximum=1, exclusive_minimum=True),
+            "lanes": {"type": "array", "description": "Per-lane targets.", "maxItems": 64,
+                      "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["lane"], "items": lane},
+        },
+        rules=[
+            ("!has(self.maxReplicas) || self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+            ("!self.enabled || has(self.maxReplicas)", "autoscaling.enabled needs autoscaling.maxReplicas"),
+            ("!self.enabled || has(self.prometheusUrl)", "autoscaling.enabled needs autoscaling.prometheusUrl"),
+        ],
+    )
+
+
+def _router() -> dict:
+    """spec.router: `tokenlane router` in front of the shared pool (docs/fleet.md)."""
+    return _obj(
+        "A `tokenlane router` Deployment and Service (<name>-router) in front of the shared pool: it routes by lane, "
+        "load and prompt prefix, and finds the pods through the pool Service's EndpointSlices.",
+        {
+            "enabled": _bool("Render the router.", default=False),
+            "replicas": _int("Router pods.", default=1, minimum=0, maximum=100, fmt="int32"),
+            "serviceAccountName": _str("ServiceAccount of the router pods; it must be allowed to get, list and "
+                                       "watch EndpointSlices in the namespace (manifests/base/router-rbac.yaml).",
+                                       default="tokenlane-router", max_length=253),
+            "resources": _obj("CPU and memory of the router container.", {
+                "requests": _quantity_map("Requested resources."),
+                "limits": _quantity_map("Resource limits."),
+            }),
+        },
     )
 
 
@@ -396,6 +468,13 @@ def model_service_status() -> dict:
                                   "`scheduler`, `lanes.<laneName>`, `engine`."),
         "tuning": _free_object("Tuner state and last decisions."),
         "rollout": _free_object("Rollout guard state: revisions, last-known-good, rollbacks."),
+        "autoscaling": _obj("The autoscaler's last decision (written when it changes).", {
+            "currentReplicas": _int("Replicas of the shared pool's Deployment when it decided.", minimum=0, fmt="int32"),
+            "desiredReplicas": _int("Replicas it decided on.", minimum=0, fmt="int32"),
+            "reason": _str("ScaledUp, ScaledDown, Holding, MetricsUnavailable or Disabled.", max_length=64),
+            "message": _str("Why, with the numbers of the decision that last changed this status.", max_length=4096),
+            "lastScaleTime": {"type": "string", "format": "date-time", "description": "When it last changed replicas."},
+        }),
     })
 
 
@@ -407,7 +486,11 @@ def serving_lane_spec() -> dict:
         "Caps on the ModelService's global budgets for this lane (hot-reloaded).",
         _in_field_order(LaneConfig, {k.key: _knob(k, k.lane_doc) for k in LANE_KNOBS}),
         rules=[("!has(self.prefillChunkSize) || !has(self.maxBatchedTokens) || self.prefillChunkSize <= self.maxBatchedTokens",
-                "prefillChunkSize must be <= maxBatchedTokens")],
+                "prefillChunkSize must be <= maxBatchedTokens"),
+               ("!has(self.kvCacheReserved) || self.kvCacheReserved < 1.0",
+                "kvCacheReserved must be < 1 (some of the KV cache stays shared)"),
+               ("!has(self.kvCacheReserved) || !has(self.maxKvCacheShare) || self.kvCacheReserved <= self.maxKvCacheShare",
+                "kvCacheReserved must be <= maxKvCacheShare")],
     )
     return _obj(
         "A traffic class of a ModelService: its queue, share of each step, caps and latency SLO.",
@@ -423,10 +506,15 @@ def serving_lane_spec() -> dict:
                            maximum=1000, exclusive_minimum=True),
             "default": _bool("Requests matching no rule go to this lane (at most one per ModelService).", default=False),
             "budgets": budgets,
-            "slo": _obj("Latency targets (95th percentile, milliseconds).", {
+            "slo": _obj("Latency targets (95th percentile, milliseconds) and the availability target.", {
                 "ttftP95Ms": _num("Time to first token.", minimum=0, exclusive_minimum=True),
                 "tpotP95Ms": _num("Time per output token.", minimum=0, exclusive_minimum=True),
                 "e2eP95Ms": _num("End-to-end request latency.", minimum=0, exclusive_minimum=True),
+                "maxRefusedShare": _num(
+                    "Largest share (0..1) of the lane's requests refused (429, 503) or timed out in the "
+                    f"queue (504) per window. Unset: {DEFAULT_MAX_REFUSED_SHARE:g} for a lane with a TTFT or "
+                    "TPOT target, none otherwise. Part of SLOMet and of the tuner's objective.",
+                    minimum=0, maximum=1),
             }),
             "match": _obj(
                 "Classifier rules for requests that name no lane (tried in lane order).",

@@ -16,7 +16,10 @@ judged on its own):
   3. Cooldown since the last change -> hold.
   4. KV usage near the reject watermark with preemptions -> fewer active sequences in the
      lowest-priority lane (multiplicative decrease), else a lower high watermark.
-  5. A lane misses its TTFT target because requests queue -> additive increase of its token
+  5. A lane refuses more than its slo.maxRefusedShare (429/503, 504 queue timeouts) ->
+     when it gets 429 queue_full because a donor lane fills the shared waiting queue, lower
+     that donor's maxWaitingRequests; else more of each step for it, less for a donor.
+     A lane misses its TTFT target because requests queue -> additive increase of its token
      and sequence budgets, multiplicative decrease of a lane with slack (batch first).
      A TTFT miss without queueing -> bigger prefill chunks for it, smaller for the donor.
   6. A lane misses TPOT -> a decode waits for the whole step, so the first donor's tokens
@@ -190,6 +193,12 @@ def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: Metric
         m = metrics[lane.name]
         donors = [d for d in _donor_order(lanes)
                   if d.name != lane.name and d.priority <= lane.priority and has_slack(d)]
+        if r.get("refused", 0.0) > 1.0:
+            moved = _fix_refusals(lane, m, donors, metrics, plan)
+            if moved is not None:
+                return moved
+        if not (r.get("ttft", 0.0) > 1.0 or r.get("tpot", 0.0) > 1.0):
+            continue  # only refusals, and no knob could move for them
         if r.get("ttft", 0.0) >= r.get("tpot", 0.0):
             ttft_ms = m.ttft_p95_s * 1000.0
             queue_ms = (m.queue_delay_p95_s or 0.0) * 1000.0
@@ -256,6 +265,38 @@ def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: Metric
     return HOLD, "all lanes within SLO with headroom; every probe knob is at its bound"
 
 
+def _fix_refusals(lane: LaneTarget, m: LaneMetrics, donors: Sequence[LaneTarget],
+                  metrics: Mapping[str, Optional[LaneMetrics]], plan: "_Planner") -> Optional[tuple[str, str]]:
+    """Moves for a lane refusing more than its slo.maxRefusedShare, or None if none can move.
+
+    Shared-queue starvation first: the lane gets 429 queue_full while its own queue is far from
+    its own cap, so the global waiting queue is full, held by a donor lane with more waiting:
+    lower that donor's per-lane maxWaitingRequests (its overflow is refused instead). Else the
+    lane's queue drains too slowly (queue full or timed out): more of each step for the lane,
+    less for a donor, as for a TTFT miss from queueing."""
+    target = lane.refused_share_target
+    why = f"{lane.name} refused {m.refused_share:.1%} of its requests > {target:.1%}"
+    own_cap = plan.budgets.get(lane.name, "maxWaitingRequests")
+    if m.queue_full_rate > 0 and (own_cap is None or m.waiting < own_cap / 2):
+        hogs = [d for d in donors if (dm := metrics.get(d.name)) is not None and dm.waiting > m.waiting]
+        hogs.sort(key=lambda d: -metrics[d.name].waiting)
+        for hog in hogs:
+            held = metrics[hog.name].waiting
+            starving = f"{why} (queue_full: {hog.name} holds {held:.0f} of the shared waiting queue)"
+            if plan.step(hog.name, "maxWaitingRequests", -1, starving):
+                return ADJUST, f"{starving}: lower maxWaitingRequests for {hog.name}"
+    grown = [k for k in ("maxBatchedTokens", "maxActiveSequences") if plan.step(lane.name, k, +1, why)]
+    for donor in donors:
+        given = [k for k in ("maxBatchedTokens", "maxActiveSequences") if plan.step(donor.name, k, -1, why)]
+        if given:
+            parts = ([f"more {'/'.join(grown)} for {lane.name}"] if grown else []) + \
+                    [f"less {'/'.join(given)} for {donor.name}"]
+            return ADJUST, f"{why}: {' and '.join(parts)}"
+    if grown:
+        return ADJUST, f"{why}: more {'/'.join(grown)} for {lane.name}"
+    return None
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -270,13 +311,24 @@ def _ms(seconds: Optional[float]) -> Optional[float]:
     return None if seconds is None else seconds * 1000.0
 
 def _ratios(lane: LaneTarget, m: LaneMetrics) -> dict[str, float]:
-    """p95 / target for each SLO the lane declares and the window observed."""
+    """observed / target for each SLO the lane declares and the window observed: the p95s, and
+    the refused share against slo.maxRefusedShare."""
     out = {}
     if lane.ttft_p95_ms is not None and m.ttft_p95_s is not None:
         out["ttft"] = m.ttft_p95_s * 1000.0 / lane.ttft_p95_ms
     if lane.tpot_p95_ms is not None and m.tpot_p95_s is not None:
         out["tpot"] = m.tpot_p95_s * 1000.0 / lane.tpot_p95_ms
+    target = lane.refused_share_target
+    if target is not None:
+        out["refused"] = _refused_ratio(m.refused_share, target)
     return out
+
+
+def _refused_ratio(share: float, target: float) -> float:
+    if target > 0:
+        return share / target
+    # maxRefusedShare 0: any refusal misses, by how much on the scale of a 0.1% budget.
+    return 1.0 + share / 0.001 if share > 0 else 0.0
 
 
 def _lane_weight(lane: LaneTarget) -> float:
@@ -293,12 +345,10 @@ def objective(lanes: Sequence[LaneTarget], sample: MetricSample, settings: Tuner
         if not lane.has_slo or too_few_requests(m, settings.min_requests, sample.window_s):
             continue
         counted += 1
+        # Refused and timed-out requests count through the lane's maxRefusedShare ratio.
         for ratio in _ratios(lane, m).values():
             violation += _lane_weight(lane) * max(0.0, ratio - 1.0)
             level += _lane_weight(lane) * ratio
-        total = m.request_rate + m.rejection_rate
-        if total > 0:  # rejected requests miss their SLO by definition
-            violation += _lane_weight(lane) * m.rejection_rate / total
     if counted == 0 and sample.throughput_tokens_s <= 0:
         return None
     return Objective(violation, sample.throughput_tokens_s, sample.request_rate, level)
@@ -309,10 +359,10 @@ def lane_slo(lane: LaneTarget, sample: MetricSample, settings: TunerSettings) ->
     if not sample.available:
         return LaneSLO(None, "PrometheusUnavailable", f"cannot read metrics: {sample.error}")
     if not lane.has_slo:
-        return LaneSLO(None, "NoSLO", "the lane declares no latency SLO")
+        return LaneSLO(None, "NoSLO", "the lane declares no SLO")
     m = sample.lanes.get(lane.name)
     if too_few_requests(m, settings.min_requests, sample.window_s):
-        seen = 0 if m is None else int(round(m.request_rate * sample.window_s))
+        seen = 0 if m is None else int(round(m.total_rate * sample.window_s))
         return LaneSLO(
             None,
             "InsufficientData",
@@ -328,14 +378,20 @@ def lane_slo(lane: LaneTarget, sample: MetricSample, settings: TunerSettings) ->
         ok = observed <= target
         parts.append(f"{key.upper()} p95 {observed:.0f}ms {'<=' if ok else '>'} {target:.0f}ms")
         if not ok:
-            missed.append(key.upper())
-    seen = int(round(m.request_rate * sample.window_s))
+            missed.append(key.capitalize())
+    refused_target = lane.refused_share_target
+    if refused_target is not None:
+        ok = _refused_ratio(m.refused_share, refused_target) <= 1.0
+        parts.append(f"refused {m.refused_share:.1%} {'<=' if ok else '>'} {refused_target:.1%}")
+        if not ok:
+            missed.append("RefusedShare")
+    seen = int(round(m.total_rate * sample.window_s))
     message = "; ".join(parts) + f" ({seen} requests in {sample.window_s:.0f}s)"
     ttft, tpot = _ms(m.ttft_p95_s), _ms(m.tpot_p95_s)
     if not parts:
         return LaneSLO(None, "InsufficientData", "no latency observations in the window", ttft, tpot)
     if missed:
-        return LaneSLO(False, "".join(k.capitalize() for k in missed) + "AboveTarget", message, ttft, tpot)
+        return LaneSLO(False, "".join(missed) + "AboveTarget", message, ttft, tpot)
     return LaneSLO(True, "WithinTarget", message, ttft, tpot)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
-from tokenlane.runtime.config import TUNED_KNOBS, RuntimeConfig
+from tokenlane.runtime.config import TUNED_KNOBS, RuntimeConfig, SLOConfig
 
 GLOBAL = "global"  # scope of the global knobs in KnobChange.scope
 # Knobs the tuner may move, by their runtime.yaml / CRD key: a lane's cap for knobs lanes
@@ -55,10 +55,17 @@ class LaneTarget:
     ttft_p95_ms: Optional[float] = None
     tpot_p95_ms: Optional[float] = None
     bounds: Mapping[str, Bounds] = field(default_factory=dict)  # LANE_KNOBS key -> bounds
+    # slo.maxRefusedShare; unset: the runtime's default for a lane with a latency target
+    max_refused_share: Optional[float] = None
+
+    @property
+    def refused_share_target(self) -> Optional[float]:
+        """The share of refused (429/503) and queue-timed-out (504) requests the lane tolerates."""
+        return SLOConfig(self.ttft_p95_ms, self.tpot_p95_ms, None, self.max_refused_share).refused_share_target
 
     @property
     def has_slo(self) -> bool:
-        return self.ttft_p95_ms is not None or self.tpot_p95_ms is not None
+        return self.ttft_p95_ms is not None or self.tpot_p95_ms is not None or self.refused_share_target is not None
 
 
 @dataclass(frozen=True)
@@ -107,9 +114,20 @@ class LaneMetrics:
     ttft_p95_s: Optional[float] = None
     tpot_p95_s: Optional[float] = None
     queue_delay_p95_s: Optional[float] = None
-    rejection_rate: float = 0.0  # rejected or queue-timed-out requests per second
+    rejection_rate: float = 0.0  # refused (429/503) or queue-timed-out (504) requests per second
     waiting: float = 0.0  # requests queued (average or last)
     throughput_tokens_s: float = 0.0  # generated tokens per second
+    queue_full_rate: float = 0.0  # of rejection_rate: 429 queue_full (a lane cap or the global queue)
+
+    @property
+    def total_rate(self) -> float:
+        """All requests of the lane per second, answered or refused."""
+        return self.request_rate + self.rejection_rate
+
+    @property
+    def refused_share(self) -> float:
+        total = self.total_rate
+        return self.rejection_rate / total if total > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -130,7 +148,7 @@ class MetricSample:
 
     @property
     def request_rate(self) -> float:
-        return sum(m.request_rate + m.rejection_rate for m in self.lanes.values())
+        return sum(m.total_rate for m in self.lanes.values())
 
     @classmethod
     def unavailable(cls, error: str, window_s: float = 0.0) -> "MetricSample":
@@ -315,8 +333,9 @@ class Decision:
 
 
 def too_few_requests(metrics: Optional[LaneMetrics], min_requests: int, window_s: float) -> bool:
-    """Too few finished requests in the window for the lane's p95s to mean anything."""
-    return metrics is None or metrics.request_rate * window_s < min_requests
+    """Too few requests in the window for the lane's numbers to mean anything. Refused ones
+    count: a lane whose requests are mostly refused is failing, not idle."""
+    return metrics is None or metrics.total_rate * window_s < min_requests
 
 
 def _fmt(value: float) -> str:

@@ -16,7 +16,9 @@ a pipeline of small steps (docs/architecture.md, "The budget path"):
    renders the last-known-good inputs from then on (last_known_good.inputs_in_force) while
    the spec stays as the user wrote it. When even the last-known-good misses its SLOs badly,
    the declared fallback profile goes into `status.overrides`.
-3. `_tune` (tuner.decide), when `spec.tuning.enabled` and no revision is being verified: the
+3. `_tune` (tuner.decide), when `spec.tuning.enabled` and the window is good: no revision
+   being verified or rolled back in this run, and the config in force (`config_key`) the
+   same through the whole window (`no_decision_reason`, docs/tuning.md). Then the
    new budgets go into `status.overrides` and the operator's reconcile re-renders the
    ConfigMap (pods hot-reload, no restart). Every decision goes to `status.tuning`
    (effective budgets, the last decisions), the SLOMet conditions (per ServingLane, and the
@@ -33,6 +35,8 @@ a pipeline of small steps (docs/architecture.md, "The budget path"):
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 import re
 import time
@@ -41,7 +45,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import kopf
 
-from tokenlane.operator import builders, handlers, k8s, last_known_good, metrics, precedence, reads, rollout, tuner
+from tokenlane.operator import builders, dumps, handlers, k8s, last_known_good, metrics, precedence, reads, rollout, tuner
 from tokenlane.operator import status as status_mod
 from tokenlane.operator.model import ModelService, ServingLane, parse_duration, parse_model_service
 from tokenlane.operator.prometheus import PrometheusClient
@@ -168,7 +172,7 @@ def lane_targets(msvc: ModelService, desired: builders.Desired,
                 bounds[knob] = bounds[knob].capped_at(sched[knob])
         slo = lane.spec.get("slo") or {}
         out.append(LaneTarget(lane.lane_name, lane.spec["class"], lane.spec["priority"],
-                              slo.get("ttftP95Ms"), slo.get("tpotP95Ms"), bounds))
+                              slo.get("ttftP95Ms"), slo.get("tpotP95Ms"), bounds, slo.get("maxRefusedShare")))
     return out
 
 
@@ -383,7 +387,10 @@ async def _guard(op: Any, run: _Run, out: _Outcome) -> rollout.RolloutDecision:
         out.events.append(("Normal", "LastKnownGood", guard.message))
         out.conditions.append(status_mod.condition("RolledBack", False, guard.reason, guard.message))
     elif guard.action == rollout.ROLLBACK:
-        out.events.append(("Warning", "RolledBack", guard.message))
+        # The failing revision's pods dump their flight recorders before the LKG replaces them.
+        dumped = await dumps.dump_runtimes(run.spec_tuning.get("prometheusUrl"), run.msvc.namespace,
+                                           run.desired.shared.config.model.name, f"rollback of revision {run.revision}")
+        out.events.append(("Warning", "RolledBack", f"{guard.message} {dumped}"))
         out.conditions.append(status_mod.condition("RolledBack", True, guard.reason, guard.message))
         out.reconcile = True
     elif guard.action == rollout.FALLBACK_ACTION:
@@ -411,7 +418,7 @@ def _tune(run: _Run, guard: rollout.RolloutDecision, out: _Outcome) -> None:
     tuning_status.pop("lastRunAt", None)  # written by older operators: now a metric
     enabled = bool(run.spec_tuning.get("enabled"))
     if enabled and guard.state.phase != rollout.FALLBACK:
-        _decide(run, guard.state.phase == rollout.VERIFYING, tuning_status, out)
+        _decide(run, guard, tuning_status, out)
     else:
         why = "tuning disabled (spec.tuning.enabled: false)" if not enabled \
             else "fallback profile in force: budgets are the declared conservative ones"
@@ -426,8 +433,15 @@ def _lane_slo(run: _Run) -> dict[str, LaneSLO]:
     return {lane.name: tuner.lane_slo(lane, run.sample, run.settings) for lane in run.targets}
 
 
-def _decide(run: _Run, verifying: bool, tuning_status: dict, out: _Outcome) -> None:
+def _decide(run: _Run, guard: rollout.RolloutDecision, tuning_status: dict, out: _Outcome) -> None:
     history = [DecisionRecord.from_dict(r) for r in tuning_status.get("history") or []]
+    verifying = guard.state.phase == rollout.VERIFYING
+    state_before = rollout.RolloutState.from_dict(run.status.get("rollout"))
+    since = _config_in_force_since(tuning_status, config_key(run.revision, state_before, run.overrides), run.now)
+    own_change = next((r.at for r in reversed(history) if r.changes), None)
+    bad_window = no_decision_reason(guard.action, guard.state.phase, since, run.now, run.sample.window_s,
+                                    guard.state.revision, own_change_at=own_change)
+    pending = tuner.pending_experiment(history)
     if run.dropped:
         # The user's edit is in force now: a change in flight can no longer be judged (nor
         # reverted over the edit); the tuner re-learns from the spec value after a cooldown.
@@ -439,10 +453,12 @@ def _decide(run: _Run, verifying: bool, tuning_status: dict, out: _Outcome) -> N
                             verdict="inconclusive" if pending else "")
     elif verifying:
         decision = Decision(run.now, HOLD, run.budgets, f"holding budgets: verifying revision {run.revision}",
-                            slo=_lane_slo(run))
+                            slo=_lane_slo(run), **_straddled(pending, since))
+    elif bad_window:
+        decision = Decision(run.now, HOLD, run.budgets, bad_window, slo=_lane_slo(run), **_straddled(pending, since))
     else:
         decision = tuner.decide(run.targets, run.settings, run.budgets, run.sample, history, run.now)
-    held = _hold_category(decision, run.sample, verifying)
+    held = _hold_category(decision, run.sample, verifying, bad_window)
     out.outcome = decision.action
     if decision.changed:
         out.patch["overrides"] = tuned_overrides(out.patch.get("overrides", run.overrides),
@@ -454,6 +470,9 @@ def _decide(run: _Run, verifying: bool, tuning_status: dict, out: _Outcome) -> N
     elif held and tuning_status.get("held") != held:  # an Event when a hold starts, not every interval
         # Only an outage the tuner cannot wait out is a Warning; verifying a revision is routine.
         out.events.append(("Warning" if held == "PrometheusUnavailable" else "Normal", "TuningHeld", decision.reason))
+    # This run may change what is in force (a rollback, the tuner's change): the next window starts now.
+    _config_in_force_since(tuning_status, config_key(run.revision, guard.state,
+                                                      out.patch.get("overrides", run.overrides)), run.now)
     if held:
         tuning_status["held"] = held
     else:
@@ -524,17 +543,75 @@ async def _reconcile(op: Any, namespace: str, name: str) -> None:
         log.warning("reconcile of %s/%s after a tuning decision: %s", namespace, name, exc)
 
 
+# status.tuning.inForce: {config: `config_key` of what is in force, since: when it came in
+# (absent: before this operator kept track, taken as settled)}. A window is attributed to one
+# config only if it lies wholly after `since`.
+IN_FORCE = "inForce"
+ROLLING_BACK = "holding budgets: rolling back"
+
+
+def config_key(revision: str, state: Optional[rollout.RolloutState], overrides: Mapping[str, Any]) -> str:
+    """What is in force, as a short hash: the spec's revision, the last-known-good pinned over
+    it while a rollback or the fallback holds, and the overrides (tuner and fallback values)."""
+    pinned = [state.phase, state.lkg] if state is not None and state.phase in (rollout.ROLLED_BACK,
+                                                                               rollout.FALLBACK) else None
+    values = {k: v for k, v in overrides.items() if k != precedence.LEARNED_FROM}
+    text = json.dumps([revision, pinned, values], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _config_in_force_since(tuning_status: dict, config: str, now: float) -> Optional[float]:
+    """Since when `config` is in force, recording it in status.tuning.inForce: a config other
+    than the recorded one came in `now`."""
+    recorded = dict(tuning_status.get(IN_FORCE) or {})
+    if recorded.get("config") not in (None, config):
+        recorded = {"since": now}
+    recorded["config"] = config
+    tuning_status[IN_FORCE] = recorded
+    return recorded.get("since")
+
+
+def no_decision_reason(guard_action: str, phase: str, since: Optional[float], now: float, window_s: float,
+                       revision: str, *, own_change_at: Optional[float] = None) -> Optional[str]:
+    """Why this run's metrics window may not be used for a tuning decision, or None.
+
+    The guard rolls a revision back in this run (the window is the bad revision's), a revision
+    is being verified, or the window does not lie wholly after the config in force came in (it
+    mixes two configs: a rollback, a user's edit, a new revision). The tuner's own last change
+    (`own_change_at`) is not such a change: the tuner waits a full window after it and judges
+    it. Pure: the guard-baseline property tests drive it too."""
+    if guard_action == rollout.ROLLBACK:
+        return f"{ROLLING_BACK} revision {revision}: its window is not used for decisions"
+    if phase == rollout.VERIFYING:
+        return f"holding budgets: verifying revision {revision}"
+    if since is not None and since != own_change_at and now - since < window_s:
+        return (f"holding budgets: the config in force changed {now - since:.0f}s ago; no decision on a window "
+                f"({window_s:.0f}s) that spans the change")
+    return None
+
+
+def _straddled(pending: Optional[DecisionRecord], since: Optional[float]) -> dict:
+    """Mark the experiment in flight inconclusive when something else changed the config after
+    it: its window no longer measures it alone (no credit for a rollback's improvement)."""
+    if pending is not None and since is not None and since > pending.at:
+        return {"judged": pending.at, "verdict": "inconclusive"}
+    return {}
+
+
 def _words(reason: str) -> str:
     """A reason without its numbers: "cooldown: last change 30s ago" is the same hold at 40s."""
     return re.sub(r"[0-9.]+", "#", reason)
 
 
-def _hold_category(decision: Decision, sample: MetricSample, verifying: bool) -> Optional[str]:
+def _hold_category(decision: Decision, sample: MetricSample, verifying: bool,
+                   bad_window: Optional[str] = None) -> Optional[str]:
     """Why the tuner could not act on data (for the Tuning condition), or None."""
     if decision.changed:
         return None
     if verifying:  # the reason says "verifying revision" whether or not Prometheus is up
         return "VerifyingRevision"
+    if bad_window:
+        return "RollingBack" if bad_window.startswith(ROLLING_BACK) else "SettlingWindow"
     if not sample.available:
         return "PrometheusUnavailable"
     if "too few requests" in decision.reason:

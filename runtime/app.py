@@ -65,6 +65,7 @@ from tokenlane.runtime.text_codec import TextCodec
 log = logging.getLogger("tokenlane.server")
 
 JSONL_CONTENT_TYPE = "application/x-ndjson"
+MAX_DUMP_REASON_CHARS = 200
 
 
 def _errors(*statuses: int) -> dict[Union[int, str], dict[str, Any]]:
@@ -302,6 +303,22 @@ def create_app(
             return error_response(400, str(exc), param="since", code="invalid_parameter")
         body = await asyncio.to_thread(recorder.jsonl, since_value)  # up to a few MB of JSON
         return Response(body, media_type=JSONL_CONTENT_TYPE)
+
+    @app.post("/debug/dump", responses={
+        200: {"description": "The dump file written on this server: {path, reason}"},
+        **_errors(400, 401, 500)})
+    async def debug_dump(reason: str = "api", who: Caller = Depends(caller)):
+        """Write the flight recorder's steps, a metrics snapshot and the config in force to a
+        file under --dump-dir, as SIGUSR1 does (the operator asks for one when it rolls a
+        revision back); `reason` is recorded in the file. See docs/operations.md."""
+        if not reason.isprintable() or not 0 < len(reason) <= MAX_DUMP_REASON_CHARS:
+            return error_response(400, f"reason must be 1 to {MAX_DUMP_REASON_CHARS} printable characters",
+                                  param="reason", code="invalid_parameter")
+        path = await state.dump(reason)
+        if path is None:
+            return error_response(500, f"the dump could not be written under {state.options.dump_dir} "
+                                       "(the server log says why)", code="dump_failed")
+        return {"path": str(path), "reason": reason}
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != state.model_name:

@@ -122,21 +122,39 @@ class AsyncEngine:
 
     def submit(self, request: Request) -> RequestStream:
         """Admit the request (raises AdmissionError at once) and return its output stream."""
-        refusal = None
-        if self.draining or self._stopping:
-            refusal = AdmissionError(503, "draining", "the server is shutting down", retry_after_s=1.0)
-        elif not self.healthy:
-            refusal = AdmissionError(503, "unavailable", f"the engine has stopped: {self.error}", 1.0)
-        elif request.request_id in self._streams:
-            refusal = AdmissionError(400, "invalid", f"request id {request.request_id!r} is in use")
-        if refusal is not None:
-            self.engine.record_rejection(request, refusal)  # counted like the engine's own
-            raise refusal
+        self._check_open([request])
         stream = RequestStream(request, self)
         self.engine.add_request(request)  # raises AdmissionError
         self._streams[request.request_id] = stream
         self._wake()
         return stream
+
+    def submit_group(self, requests: list[Request]) -> list[RequestStream]:
+        """Admit the sequences of one prompt sampled in parallel (a SequenceGroup, leader
+        first), all or none (raises AdmissionError at once); one stream per sequence."""
+        self._check_open(requests)
+        streams = [RequestStream(request, self) for request in requests]
+        self.engine.add_group(requests)  # raises AdmissionError
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        self._wake()
+        return streams
+
+    def _check_open(self, requests: list[Request]) -> None:
+        """Refuse new work while draining, after the loop died, or under an id in use."""
+        refusal = None
+        if self.draining or self._stopping:
+            refusal = AdmissionError(503, "draining", "the server is shutting down", retry_after_s=1.0)
+        elif not self.healthy:
+            refusal = AdmissionError(503, "unavailable", f"the engine has stopped: {self.error}", 1.0)
+        else:
+            taken = [r.request_id for r in requests if r.request_id in self._streams]
+            if taken:
+                refusal = AdmissionError(400, "invalid", f"request id {taken[0]!r} is in use")
+        if refusal is not None:
+            for request in requests:
+                self.engine.record_rejection(request, refusal)  # counted like the engine's own
+            raise refusal
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """Cancel a request of ours: one abort staged for the next step boundary, where its KV

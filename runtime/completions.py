@@ -1,5 +1,13 @@
 """/v1/completions and /v1/chat/completions: a request body becomes one engine request per
-prompt (a batch shares lane, tenant and deadline), then a JSON body or a stream of SSE events.
+prompt and sequence (a batch shares lane, tenant and deadline), then a JSON body or a stream
+of SSE events.
+
+Parallel sampling (n > 1, best_of): the sequences of one prompt are one SequenceGroup, admitted
+together; they share the prompt's KV (runtime/request.py). Sequence j samples with
+`sequence_seed(seed, j)`. choices[].index is prompt_index * n + j. With best_of the n sequences
+with the highest cumulative logprob (the sum of their tokens' logprobs) are returned, as
+OpenAI and vLLM do. Usage counts each prompt once and the tokens of every sequence generated
+(best_of's discarded ones too: they were computed).
 
 A batch is all or nothing: a prompt refused at admission, or one that fails part way,
 cancels the others, and the cause (not the prompts cancelled because of it) decides the
@@ -37,7 +45,7 @@ from tokenlane.runtime.protocol import (
     CompletionResponse,
     Usage,
 )
-from tokenlane.runtime.request import FinishReason, Request, SamplingParams
+from tokenlane.runtime.request import FinishReason, Request, SamplingParams, SequenceGroup, sequence_seed
 from tokenlane.runtime.router import Caller, choose_lane, parse_deadline_ms
 from tokenlane.runtime.sse import DONE_EVENT, ClientGone, EventStreamResponse, sse_event, until_disconnect
 from tokenlane.runtime.text_codec import TextCodec
@@ -82,11 +90,14 @@ class _Want:
 
 @dataclasses.dataclass
 class _Job:
-    """One prompt of a request (a batch has several): its engine request and stream."""
+    """One sequence of one prompt of a request (a batch or n > 1 has several): its engine
+    request and stream."""
 
-    index: int  # choices[].index
+    index: int  # choices[].index (best_of: set once the best n are known)
     request: Request
     prompt_text: Optional[str]  # for echo
+    prompt_index: int = 0  # which prompt of the batch
+    sample_index: int = 0  # which sequence of that prompt (0 .. n or best_of - 1)
     stream: Any = None  # RequestStream once submitted
     first: Any = None  # its first RequestOutput
     finished: bool = False  # its final output arrived
@@ -125,6 +136,14 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
     if (want.logprobs is not None or want.engine_prompt_logprobs is not None) and not state.supports_logprobs:
         raise APIError(400, "logprobs need the model executor (this server runs the simulated one)",
                        code="invalid_parameter", param="logprobs" if want.logprobs is not None else "prompt_logprobs")
+    num_sequences = body.num_sequences
+    # best_of ranks sequences by cumulative logprob: the engine computes them (top 0) if the
+    # client did not ask.
+    ranks_by_logprob = num_sequences > body.n
+    if ranks_by_logprob and not state.supports_logprobs:
+        raise APIError(400, "best_of > n ranks by logprobs, which need the model executor (this server "
+                       "runs the simulated one)", code="invalid_parameter", param="best_of")
+    engine_logprobs = 0 if ranks_by_logprob and want.logprobs is None else want.logprobs
     if chat:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompts: list[tuple[list[int], Optional[str]]] = [(state.codec.encode_chat(messages), None)]
@@ -175,7 +194,7 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
                 stop_token_ids=list(body.stop_token_ids or []),
                 stop=list(body.stop or []),
                 ignore_eos=body.ignore_eos,
-                logprobs=want.logprobs,
+                logprobs=engine_logprobs,
                 prompt_logprobs=want.engine_prompt_logprobs,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
@@ -186,17 +205,23 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
             )
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_parameter") from None
-        request = Request(
-            request_id=base_id if i == 0 else f"{base_id}-{i}",
-            prompt_token_ids=prompt_ids,
-            sampling_params=sampling,
-            lane=lane,
-            tenant=caller.tenant,
-            priority=body.priority,
-            deadline=None if deadline_ms is None else now + deadline_ms / 1000.0,
-            arrival_time=now,
-        )
-        jobs.append(_Job(i, request, text))
+        group = []
+        for j in range(num_sequences):
+            k = i * num_sequences + j  # the sequence's place in the whole body
+            request = Request(
+                request_id=base_id if k == 0 else f"{base_id}-{k}",
+                prompt_token_ids=prompt_ids,
+                sampling_params=dataclasses.replace(sampling, seed=sequence_seed(body.seed, j)),
+                lane=lane,
+                tenant=caller.tenant,
+                priority=body.priority,
+                deadline=None if deadline_ms is None else now + deadline_ms / 1000.0,
+                arrival_time=now,
+            )
+            group.append(request)
+            jobs.append(_Job(i * body.n + j, request, text, prompt_index=i, sample_index=j))
+        if len(group) > 1:
+            SequenceGroup.of(group)
     return jobs
 
 
@@ -221,13 +246,21 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
         return refused_before_admission(state, http, exc, base_id)
     head = jobs[0].request
     routing = {"X-Lane": head.lane, "X-Tenant": head.tenant, "X-Request-Id": head.request_id}
-    for job in jobs:
+    per_prompt = body.num_sequences
+    num_prompts = len(jobs) // per_prompt
+    for p in range(num_prompts):
+        group = jobs[p * per_prompt : (p + 1) * per_prompt]
         try:
-            job.stream = state.async_engine.submit(job.request)
+            if per_prompt == 1:
+                group[0].stream = state.async_engine.submit(group[0].request)
+            else:  # the prompt's sequences are admitted together (they share its KV)
+                streams = state.async_engine.submit_group([job.request for job in group])
+                for job, stream in zip(group, streams):
+                    job.stream = stream
         except AdmissionError as exc:
             # All or nothing: the prompts admitted before this one are cancelled at once.
             _abort_jobs(jobs, "batch_rejected")
-            message = exc.message if len(jobs) == 1 else f"prompt {job.index} of the batch was refused: {exc.message}"
+            message = exc.message if num_prompts == 1 else f"prompt {p} of the batch was refused: {exc.message}"
             return error_response(exc.status, message, code=exc.reason,
                                   retry_after_s=exc.retry_after_s, headers=routing)
 
@@ -303,10 +336,14 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
     texts = state.token_texts
     choices = []
     prompt_tokens = completion_tokens = 0
+    for job, outputs in zip(jobs, results):  # usage: every sequence computed, each prompt once
+        if job.sample_index == 0:
+            prompt_tokens += outputs[-1].num_prompt_tokens
+        completion_tokens += outputs[-1].num_output_tokens
+    if body.num_sequences > body.n:
+        jobs, results = _best_of(jobs, results, body.n)
     for job, outputs in zip(jobs, results):
         last = outputs[-1]
-        prompt_tokens += last.num_prompt_tokens
-        completion_tokens += last.num_output_tokens
         if synthetic:
             text = "".join(TextCodec.synthetic_text(o.new_token_ids) for o in outputs)
         else:
@@ -344,6 +381,22 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
             for choice in payload["choices"]:
                 del choice["prompt_logprobs"]
     return JSONResponse(payload, headers=routing)
+
+
+def _best_of(jobs: list[_Job], results: list[list], n: int) -> tuple[list[_Job], list[list]]:
+    """Per prompt, the n sequences with the highest cumulative logprob (ties: the lower
+    sequence first), re-indexed prompt_index * n + rank in that order."""
+    by_prompt: dict[int, list[tuple[float, int, _Job, list]]] = {}
+    for job, outputs in zip(jobs, results):
+        total = sum(e.logprob for o in outputs for e in (o.new_logprobs or []))
+        by_prompt.setdefault(job.prompt_index, []).append((-total, job.sample_index, job, outputs))
+    kept_jobs, kept_results = [], []
+    for p in sorted(by_prompt):
+        for rank, (_, _, job, outputs) in enumerate(sorted(by_prompt[p], key=lambda e: e[:2])[:n]):
+            job.index = p * n + rank
+            kept_jobs.append(job)
+            kept_results.append(outputs)
+    return kept_jobs, kept_results
 
 
 def _abort(stream, why: str) -> None:
@@ -395,12 +448,19 @@ def _stream_error(out) -> Optional[APIError]:
 
 
 class _UsageTotals:
+    """Streamed usage: each prompt once, the output tokens of every sequence."""
+
     def __init__(self) -> None:
-        self.last: dict[int, Any] = {}
+        self.last: dict[int, Any] = {}  # choices[].index -> its latest output
+        self.prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
+
+    def add(self, job: "_Job", out) -> None:
+        self.last[job.index] = out
+        self.prompt_tokens[job.prompt_index] = out.num_prompt_tokens
 
     def payload(self) -> dict:
-        outs = self.last.values()
-        return Usage.of(sum(o.num_prompt_tokens for o in outs), sum(o.num_output_tokens for o in outs)).model_dump()
+        completion = sum(o.num_output_tokens for o in self.last.values())
+        return Usage.of(sum(self.prompt_tokens.values()), completion).model_dump()
 
 
 async def _completion_events(state, jobs, want: _Want, model, created, include_usage, synthetic) -> AsyncIterator[str]:
@@ -419,7 +479,7 @@ async def _completion_events(state, jobs, want: _Want, model, created, include_u
         return sse_event(out)
 
     async for job, out in _merged(jobs, synthetic):
-        usage.last[job.index] = out
+        usage.add(job, out)
         err = _stream_error(out)
         if err is not None:
             yield sse_event(err.body())
@@ -459,7 +519,7 @@ async def _chat_events(state, jobs, want: _Want, model, created, include_usage, 
     for job in jobs:
         yield chunk(job.index, {"role": "assistant", "content": ""}, None)
     async for job, out in _merged(jobs, synthetic):
-        usage.last[job.index] = out
+        usage.add(job, out)
         err = _stream_error(out)
         if err is not None:
             yield sse_event(err.body())

@@ -29,6 +29,7 @@ import yaml
 
 LANE_CLASSES = ("interactive", "long-context", "batch")
 POLICIES = ("decode-first", "mixed")
+STEP_TIME_BUDGETS = ("off", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -167,6 +168,7 @@ class Knob:
     lane_doc: str = ""  # CRD description of the lane key
     exclusive_minimum: bool = False
     tuner_step: Optional[float] = None  # the operator's tuner may move it, in steps of this; None: never
+    lane_default: Optional[float] = None  # LANE scope: the value in force when a lane leaves it unset
     fallback_scaled: bool = False  # the Conservative fallback profile scales its global value down
     attr: str = field(init=False)  # the snake_case attribute on the config dataclasses
 
@@ -195,7 +197,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("maxActiveSequences", BOTH, CAP_MIN, int, 1, 65536, "Running sequences per step.",
          "Running sequences of this lane per step.", tuner_step=1, fallback_scaled=True),
     Knob("maxWaitingRequests", BOTH, CAP_MIN, int, 1, 1048576,
-         "Queued requests over all lanes; beyond it requests get 429.", "Queue length of this lane; beyond it 429."),
+         "Queued requests over all lanes; beyond it requests get 429.", "Queue length of this lane; beyond it 429.",
+         tuner_step=1),
     Knob("maxBatchedTokens", BOTH, CAP_MIN, int, 1, 1048576, "Tokens per step (decodes plus prefill chunks).",
          "Tokens of this lane per step.", tuner_step=16, fallback_scaled=True),
     Knob("maxModelLen", SCHEDULER, None, int, 1, None, "Optional extra cap on prompt + output tokens."),
@@ -209,6 +212,13 @@ KNOBS: tuple[Knob, ...] = (
          exclusive_minimum=True, tuner_step=0.01),
     Knob("kvCacheRejectWatermark", SCHEDULER, None, float, 0, 1, "KV pool usage above which new requests get 503.",
          exclusive_minimum=True),
+    # Lane isolation (docs/tuning.md, "Lane isolation"): shares of the KV pool's blocks.
+    Knob("maxKvCacheShare", LANE, None, float, 0, 1, "",
+         "Largest share of the KV cache's blocks this lane's requests may hold.",
+         exclusive_minimum=True, tuner_step=0.01, lane_default=1.0),
+    Knob("kvCacheReserved", LANE, None, float, 0, 1, "",
+         "Share of the KV cache's blocks kept for this lane: other lanes never take it.",
+         tuner_step=0.01, lane_default=0.0),
 )
 SCHEDULER_KNOBS = tuple(k for k in KNOBS if k.in_scheduler)
 LANE_KNOBS = tuple(k for k in KNOBS if k.in_lane)
@@ -304,9 +314,17 @@ class SchedulerConfig:
     stream_idle_timeout_ms: int = 10000  # a stalled stream consumer is cancelled after this
     kv_cache_high_watermark: float = 0.88  # above: no new prefills start
     kv_cache_reject_watermark: float = 0.95  # above: new requests get 503
+    # auto: cap each step's estimated time so the tightest TPOT target of the running lanes
+    # holds (docs/tuning.md, "Lane isolation"); off: steps are bounded by token budgets only.
+    step_time_budget: str = "off"
 
     def __post_init__(self) -> None:
         _check_int_knobs(self, SCHEDULER_KNOBS)
+        _check(
+            self.step_time_budget in STEP_TIME_BUDGETS,
+            "stepTimeBudget",
+            f"must be one of {STEP_TIME_BUDGETS}, got {self.step_time_budget!r}",
+        )
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
         _check(
             self.prefill_chunk_size <= self.max_batched_tokens,
@@ -327,17 +345,37 @@ class SchedulerConfig:
         )
 
 
+# A lane with a TTFT or TPOT target and no `maxRefusedShare` may have this share of its
+# requests refused (429/503) or timed out in the queue (504) per window.
+DEFAULT_MAX_REFUSED_SHARE = 0.01
+
+
 @dataclass(frozen=True)
 class SLOConfig:
-    """A lane's latency targets (milliseconds, 95th percentile)."""
+    """A lane's latency targets (milliseconds, 95th percentile) and its availability target."""
 
     ttft_p95_ms: Optional[float] = None
     tpot_p95_ms: Optional[float] = None
     e2e_p95_ms: Optional[float] = None
+    # Unset: DEFAULT_MAX_REFUSED_SHARE for a lane with a latency target, none for a lane
+    # without (a best-effort batch lane is refused by design when flooded). Kept unset
+    # rather than defaulted so a lane without an SLO renders no SLO.
+    max_refused_share: Optional[float] = None
 
     def __post_init__(self) -> None:
         for key in ("ttft_p95_ms", "tpot_p95_ms", "e2e_p95_ms"):
             _positive(getattr(self, key), _camel(key))
+        if self.max_refused_share is not None:
+            _check(0 <= self.max_refused_share <= 1, "maxRefusedShare",
+                   f"must be a fraction in [0, 1], got {self.max_refused_share}")
+
+    @property
+    def refused_share_target(self) -> Optional[float]:
+        """The share of refused requests the lane tolerates; None: no availability target."""
+        if self.max_refused_share is not None:
+            return self.max_refused_share
+        has_latency_target = self.ttft_p95_ms is not None or self.tpot_p95_ms is not None
+        return DEFAULT_MAX_REFUSED_SHARE if has_latency_target else None
 
 
 @dataclass(frozen=True)
@@ -379,6 +417,8 @@ class LaneConfig:
     prefill_chunk_size: Optional[int] = None
     max_waiting_requests: Optional[int] = None
     queue_timeout_ms: Optional[int] = None
+    max_kv_cache_share: Optional[float] = None
+    kv_cache_reserved: Optional[float] = None
     slo: SLOConfig = field(default_factory=SLOConfig)
     match: LaneMatch = field(default_factory=LaneMatch)
 
@@ -397,6 +437,25 @@ class LaneConfig:
                 self.prefill_chunk_size <= self.max_batched_tokens,
                 "prefillChunkSize",
                 "must be <= the lane's maxBatchedTokens",
+            )
+        if self.max_kv_cache_share is not None:
+            _check(
+                0.0 < self.max_kv_cache_share <= 1.0,
+                "maxKvCacheShare",
+                f"must be in (0, 1], got {self.max_kv_cache_share}",
+            )
+        if self.kv_cache_reserved is not None:
+            _check(
+                0.0 <= self.kv_cache_reserved < 1.0,
+                "kvCacheReserved",
+                f"must be in [0, 1), got {self.kv_cache_reserved}",
+            )
+            share = 1.0 if self.max_kv_cache_share is None else self.max_kv_cache_share
+            _check(
+                self.kv_cache_reserved <= share,
+                "kvCacheReserved",
+                f"({self.kv_cache_reserved}) must be <= maxKvCacheShare ({share}): a lane cannot "
+                "keep more than it may hold",
             )
 
 
@@ -428,6 +487,8 @@ class LaneBudgets:
     prefill_chunk_size: int
     max_waiting_requests: int
     queue_timeout_ms: int
+    max_kv_cache_share: float
+    kv_cache_reserved: float
 
 
 @dataclass(frozen=True)
@@ -466,6 +527,13 @@ class RuntimeConfig:
                     f"tenants[{i}].defaultLane",
                     f"{tenant.default_lane!r} is not among the tenant's lanes {tenant.lanes}",
                 )
+        reserved = sum(lane.kv_cache_reserved or 0.0 for lane in self.lanes)
+        _check(
+            reserved < 1.0,
+            "lanes",
+            f"the lanes' kvCacheReserved add up to {reserved:g}; they must add up to less than 1 "
+            "(some of the KV cache must stay shared)",
+        )
         for i, lane in enumerate(self.lanes):
             for tenant in lane.match.tenants:
                 _check(
@@ -490,7 +558,8 @@ class RuntimeConfig:
         """Each lane knob's value in force for lane `name`, by the knob's cap rule."""
         lane = self.lane(name)
         values = {
-            k.attr: k.effective(getattr(lane, k.attr), getattr(self.scheduler, k.attr, None)) for k in LANE_KNOBS
+            k.attr: k.effective(getattr(lane, k.attr), getattr(self.scheduler, k.attr, k.lane_default))
+            for k in LANE_KNOBS
         }
         # The scheduler's rule: a prefill chunk fits in the step's token budget.
         values["prefill_chunk_size"] = min(values["prefill_chunk_size"], values["max_batched_tokens"])

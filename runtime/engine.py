@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from tokenlane.runtime.admission import (
     AdmissionError,
@@ -41,6 +42,28 @@ log = logging.getLogger(__name__)
 # This many steps in a row in which the executor failed for every request (each also run
 # alone) mean the executor is broken: raise (the loop goes unhealthy).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+# finish_detail (and metrics reason) of the requests of a step that ran out of accelerator memory.
+OOM_REASON = "oom"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's out-of-memory error (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError is
+    the same class). torch is not imported for it: an executor that raises it loaded torch."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    return oom is not None and isinstance(exc, oom)
+
+
+def release_cached_accelerator_memory() -> None:
+    """Give torch's cached CUDA blocks back after an OOM (best effort), so the next step
+    starts from what is really in use."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        log.debug("emptying the CUDA cache after an OOM failed", exc_info=True)
 
 
 def restart_field_changes(before: RuntimeConfig, after: RuntimeConfig) -> list[str]:
@@ -184,7 +207,14 @@ class LLMEngine:
         self._staged: list[Request] = []
         self._staged_ids: set[str] = set()
         self._staged_per_lane: dict[str, int] = {}
-        self._aborts: list[tuple[str, RequestStatus, str]] = []
+        self._aborts: list[tuple[str, RequestStatus, str, float]] = []
+        # request_id -> when its cancel was asked for (engine clock), until its blocks are free.
+        self._cancelled_at: dict[str, float] = {}
+        # Engine clock when the step learned of the ends it handles: its start, then the
+        # return of its execution (a finish by the last token, an executor error).
+        self._ends_known_at = 0.0
+        self._kv_releases: list[tuple[str, float]] = []  # (lane, seconds) of this step
+        self._oom_events = 0  # of this step
         self._pending_config: Optional[RuntimeConfig] = None
         self._text: dict[str, _TextState] = {}
         self._failures = 0
@@ -239,16 +269,34 @@ class LLMEngine:
             self.record_rejection(request, exc)
             raise
 
+    def add_group(self, requests: list[Request]) -> None:
+        """Admit the sequences of one prompt sampled in parallel (n > 1, best_of: a
+        SequenceGroup, leader first), all or none. Admission counts every sequence: the KV
+        pool must hold the prompt once plus each sequence's own blocks, and n must fit
+        maxActiveSequences (globally and in the lane)."""
+        group = requests[0].group
+        assert group is not None and len(group.members) == len(requests) and all(
+            a is b for a, b in zip(group.members, requests)
+        ), "add_group takes one whole group, leader first"
+        try:
+            self._admit(requests[0], followers=requests[1:])
+        except AdmissionError as exc:
+            for request in requests:
+                self.record_rejection(request, exc)
+            raise
+
     def record_rejection(self, request: Request, error: AdmissionError) -> None:
         """Finish a refused request as rejected and tell the observers (metrics count every
         rejection, also those the async front makes: draining, engine down)."""
         request.finish(RequestStatus.FINISHED_REJECTED, error.reason, now=self.clock())
         self._notify_finished(request)
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, followers: Sequence[Request] = ()) -> None:
         if request.eos_token_id is None:
             request.eos_token_id = getattr(self.executor, "eos_token_id", None)
         check_request_shape(request, self.limits)
+        if followers:
+            self._check_group_shape(request, len(followers) + 1)
         scheduler = self.scheduler
         with self._lock:  # config and lanes change only under it (at the step boundary)
             config = self.config
@@ -261,6 +309,13 @@ class LLMEngine:
             rid = request.request_id
             if rid in self._staged_ids or rid in scheduler.requests:
                 raise AdmissionError(400, "invalid", f"request id {rid!r} is already in use")
+            if followers:
+                self._check_group_load(request, len(followers) + 1, config, budgets)
+            if scheduler.quotas.active and scheduler.exceeds_lane_capacity(request):
+                raise AdmissionError(
+                    400, "too_long", f"prompt + max_tokens needs more KV blocks than lane {request.lane!r} may "
+                    f"ever hold ({scheduler.lane_kv_capacity(request.lane)} blocks: its maxKvCacheShare, less "
+                    "the other lanes' kvCacheReserved); lower max_tokens or shorten the prompt")
             check_load(
                 request,
                 waiting_total=scheduler.num_waiting + len(self._staged),
@@ -268,7 +323,7 @@ class LLMEngine:
                 + self._staged_per_lane.get(request.lane, 0),
                 max_waiting_total=config.scheduler.max_waiting_requests,
                 max_waiting_lane=budgets.max_waiting_requests,
-                kv_usage=scheduler.kv.usage,
+                kv_usage=scheduler.lane_kv_usage(request.lane),
                 kv_reject_watermark=config.scheduler.kv_cache_reject_watermark,
                 estimator=self.estimator,
                 now=self.clock(),
@@ -277,6 +332,39 @@ class LLMEngine:
             self._staged.append(request)
             self._staged_ids.add(rid)
             self._staged_per_lane[request.lane] = self._staged_per_lane.get(request.lane, 0) + 1
+            for follower in followers:  # the leader's lane; they wait for its prompt
+                follower.lane = request.lane
+                follower.eos_token_id = request.eos_token_id
+                follower.status = RequestStatus.WAITING
+                self._staged.append(follower)
+                self._staged_ids.add(follower.request_id)
+
+    def _check_group_shape(self, leader: Request, size: int) -> None:
+        """400 `too_long` when the pool cannot hold a parallel-sampling group at full length:
+        the prompt's full blocks once (shared), and per sequence the rest of its context."""
+        bs = self.limits.block_size
+        shared = (leader.num_prompt_tokens - 1) // bs
+        own = -(-(leader.num_prompt_tokens + leader.sampling_params.max_tokens) // bs) - shared
+        blocks = shared + size * own
+        if blocks > self.limits.kv_blocks_total:
+            raise AdmissionError(
+                400, "too_long",
+                f"{size} sequences of this prompt need {blocks} KV cache blocks ({shared} shared "
+                f"prompt blocks + {size} x {own}) but the cache has only {self.limits.kv_blocks_total}",
+            )
+
+    def _check_group_load(self, leader: Request, size: int, config: RuntimeConfig, budgets) -> None:
+        """400 when n sequences can never run together under maxActiveSequences; duplicate ids."""
+        cap = min(config.scheduler.max_active_sequences, budgets.max_active_sequences)
+        if size > cap:
+            raise AdmissionError(
+                400, "invalid",
+                f"{size} parallel sequences exceed maxActiveSequences ({cap}) of lane {leader.lane!r}",
+            )
+        for follower in leader.group.members[1:]:
+            rid = follower.request_id
+            if rid in self._staged_ids or rid in self.scheduler.requests:
+                raise AdmissionError(400, "invalid", f"request id {rid!r} is already in use")
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_CANCELLED, detail: str = ""
@@ -284,7 +372,7 @@ class LLMEngine:
         """End a request in any state at the next step boundary (its blocks are freed there)."""
         assert status.is_finished, status
         with self._lock:
-            self._aborts.append((request_id, status, detail or "cancelled"))
+            self._aborts.append((request_id, status, detail or "cancelled", self.clock()))
 
     def reload_config(self, new: RuntimeConfig) -> None:
         """Stage a new config (budgets, lanes, tenants) for the next step boundary.
@@ -313,12 +401,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        self._ends_known_at = self.clock()
         self._apply_staged()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         output = self._execute(plan)
         t2 = time.perf_counter()
+        self._ends_known_at = self.clock()
         got_token = self.scheduler.update_from_output(plan, output)
         schedule_seconds = (t1 - t0) + (time.perf_counter() - t2)
         outputs = self._outputs(got_token)
@@ -351,9 +441,10 @@ class LLMEngine:
         if config is not None:
             for observer in self.observers:
                 observer.on_config_applied(config, True, "applied at step boundary")
-        for request_id, status, detail in aborts:
+        for request_id, status, detail, asked_at in aborts:
             request = scheduler.requests.get(request_id)
-            if request is not None:
+            if request is not None and not request.is_finished:
+                self._cancelled_at[request_id] = asked_at
                 scheduler.finish_request(request, status, detail)
 
     def _execute(self, plan: StepPlan) -> ExecutorOutput:
@@ -362,10 +453,23 @@ class LLMEngine:
         try:
             output = self.executor.execute(plan)
         except Exception as exc:
+            if is_out_of_memory(exc):
+                return self._fail_out_of_memory(plan, exc)
             log.exception("executor step of %d chunks failed", len(plan.chunks))
             return self._execute_isolating(plan, exc)
         self._failures = 0
         return output
+
+    def _fail_out_of_memory(self, plan: StepPlan, exc: Exception) -> ExecutorOutput:
+        """The step ran out of accelerator memory: its requests end as errors (reason "oom",
+        a 500 to their clients), their blocks go back to the pool, and the loop goes on with
+        the other requests. Not re-run in halves as other failures are: a re-run would most
+        likely run out of memory again, and an OOM says nothing about a broken executor."""
+        self._oom_events += 1
+        log.error("out of accelerator memory in a step of %d chunks (%d tokens); failing its requests: %s",
+                  len(plan.chunks), plan.num_batched_tokens, exc)
+        release_cached_accelerator_memory()
+        return ExecutorOutput(errors={chunk.request.request_id: OOM_REASON for chunk in plan.chunks})
 
     def _execute_isolating(self, plan: StepPlan, exc: Exception) -> ExecutorOutput:
         """Re-run a failed step in halves until the failing chunks stand alone: they end as
@@ -387,8 +491,9 @@ class LLMEngine:
             pending = []
         else:
             pending = [plan.chunks[len(plan.chunks) // 2:], plan.chunks[: len(plan.chunks) // 2]]
-        # The first sub-step repeats the step's block copies (always empty today) and executor
-        # clean-up (both idempotent) in case the failure came before them.
+        # The first sub-step repeats the step's block copies and executor clean-up (both
+        # idempotent: a dst is only read past what its sequence has written) in case the
+        # failure came before them.
         first = {"block_copies": plan.block_copies, "finished": plan.finished, "preempted": plan.preempted}
         while pending:
             chunks = pending.pop()
@@ -451,6 +556,7 @@ class LLMEngine:
             by_id[request.request_id] = out
             outputs.append(out)
         for request in scheduler.drain_finished():
+            self._time_kv_release(request)
             state = self._text.pop(request.request_id, None)
             tail = state.finish() if state is not None and request.finish_detail != "stop_string" else ""
             out = by_id.get(request.request_id)
@@ -464,6 +570,22 @@ class LLMEngine:
             out.finish_detail = request.finish_detail
             self._notify_finished(request)
         return outputs
+
+    def _time_kv_release(self, request: Request) -> None:
+        """Record how long a finished request's blocks stayed taken after its end was known:
+        from the cancel call (an abort waits for the step boundary), from its deadline, or
+        from the end of the step that computed its last token. Only requests that held
+        blocks at the end (a waiting or preempted request holds none)."""
+        asked_at = self._cancelled_at.pop(request.request_id, None)
+        if request.num_computed_tokens <= 0 or request.finish_time is None:
+            return
+        if asked_at is not None:
+            start = asked_at
+        elif request.finish_detail == "deadline" and request.deadline is not None:
+            start = request.deadline
+        else:
+            start = self._ends_known_at
+        self._kv_releases.append((request.lane, max(0.0, request.finish_time - start)))
 
     @staticmethod
     def _output(request: Request, new_ids: list[int], new_text: str) -> RequestOutput:
@@ -503,9 +625,13 @@ class LLMEngine:
         decode = plan.num_batched_tokens - prefill
         self.estimator.observe(output.step_seconds, prefill, decode)
         queued, self._queued_since_step = self._queued_since_step, {}
+        releases, self._kv_releases = self._kv_releases, []
+        oom_events, self._oom_events = self._oom_events, 0
         if not self.observers:
             return
         stats = self.snapshot()
+        stats.kv_releases = releases
+        stats.oom_events = oom_events
         stats.step_seconds = output.step_seconds
         stats.schedule_seconds = schedule_seconds
         stats.num_batched_tokens = plan.num_batched_tokens
@@ -560,7 +686,7 @@ class LLMEngine:
     def snapshot(self) -> StepStats:
         """Current KV and queue occupancy (no step numbers)."""
         scheduler = self.scheduler
-        kv = scheduler.kv
+        kv, quotas = scheduler.kv, scheduler.quotas
         lanes = {
             name: LaneStepStats(running=lane.num_running, waiting=scheduler.num_waiting_in(name))
             for name, lane in scheduler.lanes.items()
@@ -572,6 +698,9 @@ class LLMEngine:
         return StepStats(
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
+            kv_blocks_cached_free=kv.num_cached_free_blocks,
+            # Free blocks only lanes below their kvCacheReserved may take (O(lanes)).
+            kv_blocks_reserved=min(kv.num_free_blocks, sum(quotas.unmet(name) for name in quotas.reserve)),
             kv_usage=kv.usage,
             lanes=lanes,
         )

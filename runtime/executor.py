@@ -1,8 +1,9 @@
 """The model executor: a StepPlan in, sampled tokens out.
 
-Per step it applies the plan's block copies (reserved for parallel sampling; always empty
-today), lays all scheduled chunks out as one flat batch (token ids, positions, slot mapping, block tables, sequence and query lengths), runs
-the model once, computes logits only for the positions that sample, and samples.
+Per step it applies the plan's block copies (parallel sampling's copy on write), lays all
+scheduled chunks out as one flat batch (token ids, positions, slot mapping, block tables,
+sequence and query lengths), runs the model once, computes logits only for the positions
+that sample, and samples.
 
 It owns the device, the weights and the paged KV pool; the scheduler owns which blocks
 each request holds (`request.block_ids`), the executor only reads and writes them.
@@ -227,10 +228,11 @@ class ModelExecutor:
         return (prompt + request.output_token_ids)[start : start + n]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks src -> dst. Reserved for parallel sampling; no plan asks for
-        a copy today."""
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        """Copy whole KV blocks src -> dst, every layer, before the step's forward pass (so
+        a source written by this step is copied as it was before it). One gather/scatter per
+        cache tensor; the dsts are distinct fresh blocks."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
         for key_cache, value_cache in self.kv_caches:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]

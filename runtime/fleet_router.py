@@ -3,7 +3,8 @@
     client -> router (lane, load, prefix affinity: runtime/fleet_pick.py) -> one replica
 
 - The replicas, their scraped load and health: runtime/fleet_state.py (`BackendSet`, static
-  from `--backend` now, updatable by a discovery watcher; `Fleet`, one scrape loop each).
+  from `--backend`, or kept up to date from a Service's EndpointSlices by
+  runtime/fleet_discovery.py; `Fleet`, one scrape loop each).
 - Generation requests are forwarded unchanged (body and headers) to the picked replica; its
   response (status, headers, body; SSE included) is passed through byte for byte. A client
   that goes away closes the upstream connection at once, so the replica aborts the request
@@ -42,6 +43,7 @@ from starlette.routing import Route
 
 from tokenlane.runtime.config import ConfigError, RuntimeConfig, load_config
 from tokenlane.runtime.fleet_pick import PickPolicy, Refusal, affinity_key, estimate_prompt_tokens, pick
+from tokenlane.runtime.fleet_discovery import ApiAccess, EndpointSliceWatcher, in_cluster_namespace
 from tokenlane.runtime.fleet_state import RETRY, BackendSet, Fleet, RouterMetrics
 from tokenlane.runtime.http_errors import api_error_response, error_response
 from tokenlane.runtime.protocol import APIError
@@ -287,8 +289,10 @@ class Forwarder:
 
 
 def create_router_app(backends: BackendSet, config: Optional[RuntimeConfig] = None,
-                      options: Optional[RouterOptions] = None) -> Starlette:
-    """The router's ASGI app; its lifespan starts the scrapers and the upstream client."""
+                      options: Optional[RouterOptions] = None,
+                      discovery: Optional[EndpointSliceWatcher] = None) -> Starlette:
+    """The router's ASGI app; its lifespan starts the scrapers, the upstream client and the
+    discovery of `backends`, when given."""
     options = options or RouterOptions()
     metrics = RouterMetrics()
     fleet = Fleet(backends, metrics, scrape_interval_s=options.scrape_interval_s,
@@ -314,6 +318,8 @@ def create_router_app(backends: BackendSet, config: Optional[RuntimeConfig] = No
     @asynccontextmanager
     async def lifespan(app: Starlette):
         await forwarder.start()
+        if discovery is not None:
+            await discovery.start()  # the first list, so the first scrape sees the replicas
         await fleet.start()
         await fleet.scrape_all_once()  # a first view before the first request
         log.info("routing to %d replicas (%d healthy)", len(backends.urls), fleet.healthy_count())
@@ -321,6 +327,8 @@ def create_router_app(backends: BackendSet, config: Optional[RuntimeConfig] = No
             yield
         finally:
             await fleet.stop()
+            if discovery is not None:
+                await discovery.stop()
             await forwarder.stop()
 
     routes = [
@@ -350,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", action="append", default=[], metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each replica)")
+    p.add_argument("--endpointslice-service", metavar="NAME",
+                   help="instead of --backend: the ready pods of this Service, from its EndpointSlices "
+                        "(in a Kubernetes pod, through its service account)")
+    p.add_argument("--namespace", help="the Service's namespace (default: the pod's own)")
     p.add_argument("--config", help="runtime.yaml of the replicas: the router then knows tenants and lane rules")
     p.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -373,11 +385,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
-    if not args.backend:
-        print("tokenlane router: give at least one --backend URL", file=sys.stderr)
+    if bool(args.backend) == bool(args.endpointslice_service):
+        print("tokenlane router: give either --backend URL (repeatable) or --endpointslice-service NAME",
+              file=sys.stderr)
         return 2
+    discovery = None
     try:
         backends = BackendSet(args.backend)
+        if args.endpointslice_service:
+            namespace = args.namespace or in_cluster_namespace()
+            if not namespace:
+                raise ValueError("--endpointslice-service needs --namespace outside a Kubernetes pod")
+            discovery = EndpointSliceWatcher(ApiAccess.in_cluster(), namespace, args.endpointslice_service, backends)
         options = RouterOptions(
             scrape_interval_s=args.scrape_interval_ms / 1000.0,
             stale_after_s=None if args.stale_after_ms is None else args.stale_after_ms / 1000.0,
@@ -392,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, ConfigError) as exc:
         print(f"tokenlane router: {exc}", file=sys.stderr)
         return 2
-    app = create_router_app(backends, config, options)
+    app = create_router_app(backends, config, options, discovery)
     # The replicas' Date and Server headers pass through unchanged; uvicorn adds none of its own.
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                server_header=False, date_header=False, timeout_graceful_shutdown=5)

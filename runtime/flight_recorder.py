@@ -167,6 +167,7 @@ def _entry(row: tuple) -> dict[str, Any]:
         "prefill_tokens": stats.num_prefill_tokens,
         "decode_tokens": stats.num_decode_tokens,
         "preemptions": stats.num_preemptions,
+        "oom_events": stats.oom_events,
         "lanes": {
             name: {
                 "prefill_tokens": lane.prefill_tokens,
@@ -182,7 +183,11 @@ def _entry(row: tuple) -> dict[str, Any]:
         "kv": {
             "blocks_used": used,
             "blocks_free": stats.kv_blocks_free,
+            "blocks_cached_free": stats.kv_blocks_cached_free,  # free, still holding a cached prefix
+            "blocks_reserved": stats.kv_blocks_reserved,  # free, held back for lanes' unmet reserves
             "blocks_total": stats.kv_blocks_total,
+            "releases": len(stats.kv_releases),
+            "release_max_s": max((seconds for _, seconds in stats.kv_releases), default=0.0),
             "usage": stats.kv_usage,
             "high_watermark": config.high_watermark,
             "reject_watermark": config.reject_watermark,

@@ -185,6 +185,6 @@ def refused_before_admission(state: "ServerState", http: HTTPRequest, exc: APIEr
     lane, tenant = nominal_route(state, http.headers)
     reason = exc.code or "invalid"
     if exc.status == 400 and prefix is not None:
-        state.metrics.record_invalid(lane, tenant, reason)
+        state.metrics.record_invalid(lane, tenant, reason, endpoint=http.url.path)
     log_refusal(request_id, lane, tenant, exc.status, reason, exc.message)
     return api_error_response(exc, headers={"X-Request-Id": request_id})

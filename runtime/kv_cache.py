@@ -67,6 +67,9 @@ class KVCacheManager:
         # Counters for metrics (tokens).
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Free blocks still holding a cached prefix (kept as blocks move, not by a scan: the
+        # flight recorder reads it every step).
+        self._num_cached_free = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -77,6 +80,12 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (a prefix hit can revive them; the
+        allocator evicts them last)."""
+        return self._num_cached_free
 
     @property
     def usage(self) -> float:
@@ -143,6 +152,7 @@ class KVCacheManager:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
                     del self._free[block_id]
+                    self._num_cached_free -= 1  # a prefix hit always carries its hash
                 block.ref_count += 1
                 table.append(block_id)
             self._registered[request.request_id] = len(cached_blocks)
@@ -198,7 +208,43 @@ class KVCacheManager:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+                else:
+                    self._num_cached_free += 1
         table.clear()
+
+    # ------------------------------------------------------------------ parallel sampling
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Share the parent's blocks covering its first `num_tokens` computed tokens with a
+        child holding none (ref counts +1): the child continues from there. The last of them
+        may be partly filled; whoever writes into it while shared copies it first
+        (`is_shared` / `copy_on_write`)."""
+        assert not child.block_ids and child.num_computed_tokens == 0, "fork into a fresh sequence only"
+        assert parent.num_computed_tokens >= num_tokens, "fork past the parent's computed tokens"
+        table = child.block_ids
+        for block_id in parent.block_ids[: self.blocks_for_tokens(num_tokens)]:
+            self.blocks[block_id].ref_count += 1
+            table.append(block_id)
+        self._tables[child.request_id] = table
+        # Its full blocks were registered by the parent (each block is registered once).
+        self._registered[child.request_id] = num_tokens // self.block_size
+        child.num_computed_tokens = num_tokens
+
+    def is_shared(self, block_id: int) -> bool:
+        """Whether another block table holds this block too (writing it needs a copy)."""
+        return self.blocks[block_id].ref_count > 1
+
+    def copy_on_write(self, request: Request, index: int) -> tuple[int, int]:
+        """Give the request its own copy of the shared block at `index` of its table; returns
+        (src, dst) for the executor to copy before the step. The caller checked
+        `can_allocate(1)`."""
+        table = request.block_ids
+        src = table[index]
+        assert self.is_shared(src), f"block {src} is not shared"
+        dst = self._take_free_block()
+        self.blocks[src].ref_count -= 1  # still held by the others: never freed here
+        table[index] = dst
+        return src, dst
 
     # ------------------------------------------------------------------ internals
 
@@ -206,6 +252,7 @@ class KVCacheManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict its cached prefix
+            self._num_cached_free -= 1
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
             block.block_hash = None
@@ -256,6 +303,10 @@ class KVCacheManager:
             assert in_free == (block.ref_count == 0), f"block {block.block_id} free-list mismatch"
             used += block.ref_count > 0
         assert len(self._free) + used == self.num_blocks, "free + used != total"
+        cached_free = sum(1 for block_id in self._free if self.blocks[block_id].block_hash is not None)
+        assert cached_free == self._num_cached_free, (
+            f"cached-free count {self._num_cached_free} but {cached_free} free blocks hold a prefix"
+        )
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash, f"stale cache entry {block_id}"
         if live_requests is not None:

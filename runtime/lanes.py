@@ -39,6 +39,8 @@ class Lane:
         self.starved_steps = 0  # consecutive steps with waiting work but nothing started
         self.served_tokens = 0  # lifetime tokens scheduled for this lane
         self.tokens_left = budgets.max_batched_tokens  # per-step budget left (scheduler)
+        self.time_capped_steps = 0  # steps that shortened or skipped its work for the step-time budget
+        self.last_capped_step = -1  # the scheduler's step index it was last capped in
 
     # ---- config
 

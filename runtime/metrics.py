@@ -3,8 +3,9 @@
 
 Names carry the `tokenlane_` prefix. Labels: `model` everywhere; `lane` on per-lane series;
 `tenant` on the request and token counters (values limited to configured tenants and
-"default", which the router guarantees). Latency histograms are per lane, not per tenant, to
-keep the series count bounded; the tuner reads them per lane.
+"default", which the router guarantees); `endpoint` on the request counter (the two OpenAI
+paths, or "other" for callers of the engine itself). Latency histograms are per lane, not
+per tenant, to keep the series count bounded; the tuner reads them per lane.
 
 The engine calls the observer from its step thread; prometheus_client is thread-safe.
 """
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenlane.runtime.config import LANE_KNOBS, RuntimeConfig
+from tokenlane.runtime.gpu_metrics import register_gpu_metrics
 from tokenlane.runtime.request import FinishReason, Request
 from tokenlane.runtime.stats import StepStats
 
@@ -37,6 +39,16 @@ REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0,
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
                 1.28, 2.56, 5.12)
 BATCH_TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))  # 1 .. 32768
+# KV release: a step boundary away at most for a cancel, microseconds for a finish.
+KV_RELEASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                      0.25, 0.5, 1.0, 2.5, 5.0)
+
+# The `endpoint` label of the request counter, from the request id's prefix (the server's
+# ids are OpenAI's: "cmpl-…", "chatcmpl-…"); any other id (bench, direct engine callers)
+# counts as OTHER_ENDPOINT.
+ENDPOINT_OF_ID_PREFIX = {"cmpl": "/v1/completions", "chatcmpl": "/v1/chat/completions"}
+ENDPOINTS = tuple(ENDPOINT_OF_ID_PREFIX.values())
+OTHER_ENDPOINT = "other"
 
 OUTCOME_OF_FINISH = {
     FinishReason.STOP: "finished",
@@ -73,6 +85,7 @@ EXPECTED_OUTCOMES = (
     ("rejected", "kv_watermark"),
     ("rejected", "deadline"),
     ("rejected", "draining"),
+    ("error", "oom"),
     ("error", "other"),
 )
 
@@ -95,6 +108,11 @@ INVALID_REASONS = (
 UNKNOWN_LABEL = "unknown"
 
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+
+def endpoint_label(request_id: str) -> str:
+    """The `endpoint` label of a request, from its id's prefix (bounded: ENDPOINTS or OTHER_ENDPOINT)."""
+    return ENDPOINT_OF_ID_PREFIX.get(request_id.split("-", 1)[0], OTHER_ENDPOINT)
 
 
 def reason_label(request: Request) -> str:
@@ -147,8 +165,27 @@ class PrometheusMetrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", tenant, registry=r)
         self.requests = Counter(
             PREFIX + "requests",
-            "Requests by final outcome (finished|cancelled|timeout|rejected|error|invalid) and reason.",
-            tenant + ["outcome", "reason"],
+            "Requests by endpoint, final outcome (finished|cancelled|timeout|rejected|error|invalid) and reason.",
+            tenant + ["endpoint", "outcome", "reason"],
+            registry=r,
+        )
+        self.prefill_tokens = Counter(
+            PREFIX + "prefill_tokens",
+            "Prompt tokens computed (prefill chunks; recomputed after a preemption, prefix-cache hits not).",
+            lane,
+            registry=r,
+        )
+        self.decode_tokens = Counter(PREFIX + "decode_tokens", "Tokens computed by decode steps.", lane, registry=r)
+        self.kv_release = hist(
+            "kv_release_seconds",
+            "From a request's end being known (cancel call, deadline, last token computed) to its KV blocks free.",
+            lane,
+            KV_RELEASE_BUCKETS,
+        )
+        self.oom_events = Counter(
+            PREFIX + "oom_events",
+            "Engine steps that ran out of accelerator memory (their requests failed with reason oom).",
+            ["model"],
             registry=r,
         )
         self.preemptions = Counter(PREFIX + "preemptions", "Requests preempted (recompute).", ["model"], registry=r)
@@ -170,6 +207,9 @@ class PrometheusMetrics:
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio", "Used / total KV blocks (0..1).", ["model"], registry=r)
         self.kv_free = Gauge(PREFIX + "kv_blocks_free", "Free KV blocks.", ["model"], registry=r)
         self.kv_total = Gauge(PREFIX + "kv_blocks_total", "KV blocks in the pool.", ["model"], registry=r)
+        self.kv_cached_free = Gauge(
+            PREFIX + "kv_blocks_cached_free", "Free KV blocks still holding a cached prefix.", ["model"], registry=r
+        )
         self.continuous_batching = Gauge(
             PREFIX + "continuous_batching_enabled", "1 = continuous batching, 0 = static batching.", ["model"], registry=r
         )
@@ -197,11 +237,14 @@ class PrometheusMetrics:
         )
         for result in CONFIG_RELOAD_RESULTS:  # present from the start, so rate() works at once
             self.config_reloads.labels(model, result)
-        for metric in (self.step_time, self.batch_tokens, self.preemptions, self.prefix_queries, self.prefix_hits):
+        for metric in (self.step_time, self.batch_tokens, self.preemptions, self.prefix_queries, self.prefix_hits,
+                       self.oom_events):
             metric.labels(model)
         self._lanes: set[str] = set()
         self._tenants: set[str] = set()
         self._restart_hash: Optional[str] = None
+        # GPU utilization and memory, read from NVML at scrape time; absent without a GPU.
+        self.gpu = register_gpu_metrics(model, r)
 
     # ---- config
 
@@ -216,6 +259,8 @@ class PrometheusMetrics:
                 _remove(self.slo_target, m, gone, slo)
             _remove(self.running, m, gone)
             _remove(self.waiting, m, gone)
+            _remove(self.prefill_tokens, m, gone)
+            _remove(self.decode_tokens, m, gone)
         tenants = ["default"] + [t.name for t in config.tenants]
         for name in lanes:
             budgets = config.lane_budgets(name)
@@ -231,14 +276,18 @@ class PrometheusMetrics:
             # Every lane's series exist from the start (at zero), so rate() and absent() work.
             self.running.labels(m, name)
             self.waiting.labels(m, name)
-            for hist in (self.ttft, self.tpot, self.e2e, self.queue_delay, self.prefill_time, self.decode_time):
+            self.prefill_tokens.labels(m, name)
+            self.decode_tokens.labels(m, name)
+            for hist in (self.ttft, self.tpot, self.e2e, self.queue_delay, self.prefill_time, self.decode_time,
+                         self.kv_release):
                 hist.labels(m, name)
             for tenant in tenants:
                 self.prompt_tokens.labels(m, name, tenant)
                 self.generation_tokens.labels(m, name, tenant)
-                for outcome, reason in EXPECTED_OUTCOMES:
-                    self.requests.labels(m, name, tenant, outcome, reason)
-                self.requests.labels(m, name, tenant, "invalid", INVALID_REASONS[0])
+                for endpoint in ENDPOINTS:
+                    for outcome, reason in EXPECTED_OUTCOMES:
+                        self.requests.labels(m, name, tenant, endpoint, outcome, reason)
+                    self.requests.labels(m, name, tenant, endpoint, "invalid", INVALID_REASONS[0])
         self._lanes = lanes
         self._tenants = set(tenants)
         self.kv_watermark.labels(m, "high").set(config.scheduler.kv_cache_high_watermark)
@@ -268,6 +317,17 @@ class PrometheusMetrics:
             self.prefix_queries.labels(m).inc(stats.prefix_cache_queries)
         if stats.prefix_cache_hits:
             self.prefix_hits.labels(m).inc(stats.prefix_cache_hits)
+        if stats.oom_events:
+            self.oom_events.labels(m).inc(stats.oom_events)
+        lanes = self._lanes
+        for name, lane in stats.lanes.items():
+            if name in lanes:  # configured lanes only (see set_occupancy)
+                if lane.prefill_tokens:
+                    self.prefill_tokens.labels(m, name).inc(lane.prefill_tokens)
+                if lane.decode_tokens:
+                    self.decode_tokens.labels(m, name).inc(lane.decode_tokens)
+        for name, seconds in stats.kv_releases:
+            self.kv_release.labels(m, name if name in lanes else UNKNOWN_LABEL).observe(seconds)
         self.set_occupancy(stats)
 
     def set_occupancy(self, stats: StepStats) -> None:
@@ -276,6 +336,7 @@ class PrometheusMetrics:
         if stats.kv_blocks_total:
             self.kv_total.labels(m).set(stats.kv_blocks_total)
             self.kv_free.labels(m).set(stats.kv_blocks_free)
+            self.kv_cached_free.labels(m).set(stats.kv_blocks_cached_free)
             self.kv_usage.labels(m).set(stats.kv_usage)
         # Configured lanes only: a step that ran before a reload took effect must not bring
         # back the series of a lane the reload removed (they would stay, stale, for good).
@@ -291,7 +352,7 @@ class PrometheusMetrics:
             tenant = tenant if tenant in self._tenants else UNKNOWN_LABEL
         reason = request.finish_reason or FinishReason.ERROR
         outcome = OUTCOME_OF_FINISH[reason]
-        self.requests.labels(m, lane, tenant, outcome, reason_label(request)).inc()
+        self.requests.labels(m, lane, tenant, endpoint_label(request.request_id), outcome, reason_label(request)).inc()
         if outcome == "rejected":
             return  # never admitted: no tokens, no latencies
         if request.first_scheduled_time is not None:
@@ -316,13 +377,15 @@ class PrometheusMetrics:
         if request.num_output_tokens > 1:
             self.tpot.labels(m, lane).observe(max(0.0, (last - first) / (request.num_output_tokens - 1)))
 
-    def record_invalid(self, lane: str, tenant: str, reason: str) -> None:
+    def record_invalid(self, lane: str, tenant: str, reason: str, endpoint: str = OTHER_ENDPOINT) -> None:
         """A request the server refused with a 400 before admission (it never reached the
-        engine): outcome="invalid", reason one of INVALID_REASONS or "other"."""
+        engine): outcome="invalid", reason one of INVALID_REASONS or "other"; `endpoint` the
+        path it was sent to (one of ENDPOINTS, else "other")."""
         lane = lane if lane in self._lanes else UNKNOWN_LABEL
         tenant = tenant if tenant in self._tenants else UNKNOWN_LABEL
         reason = reason if reason in INVALID_REASONS else "other"
-        self.requests.labels(self.model, lane, tenant, "invalid", reason).inc()
+        endpoint = endpoint if endpoint in ENDPOINTS else OTHER_ENDPOINT
+        self.requests.labels(self.model, lane, tenant, endpoint, "invalid", reason).inc()
 
     def on_config_applied(self, config: object, ok: bool, message: str) -> None:
         if ok and isinstance(config, RuntimeConfig):

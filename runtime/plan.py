@@ -39,8 +39,9 @@ class StepPlan:
     finished: list[Request] = field(default_factory=list)
     # Sum of num_tokens over chunks; never above the step's token budget.
     num_batched_tokens: int = 0
-    # Block ids to copy before the step, (src, dst). Reserved for parallel sampling; always
-    # empty today (the scheduler never plans a copy).
+    # Block ids to copy before the step's forward pass, (src, dst): parallel sampling's copy
+    # on write (a sequence about to write into a block its group still shares gets its own
+    # copy; see SequenceGroup in request.py). Each dst is a fresh block of this step.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property

@@ -3,7 +3,7 @@
 (Streaming chunks are built as plain dicts in server.py, on the hot path.)
 
 Pydantic models only (no engine logic). Requests accept what OpenAI's API accepts for the
-features we implement; parameters we do not implement (n > 1, best_of, tools...) are refused
+features we implement; parameters we do not implement (tools...) are refused
 with a 400 whose `param` names them rather than silently ignored, so a client never gets a
 different answer from the one it asked for. Unknown fields are ignored, as OpenAI-compatible
 servers do.
@@ -35,6 +35,8 @@ INT32_MAX = 2**31 - 1
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
+# Parallel sampling: most sequences per prompt (n, best_of); each one is a running sequence.
+MAX_PARALLEL_SEQUENCES = 128
 
 
 class ParamError(ValueError):
@@ -116,7 +118,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: StrictBool = False  # extension: generate exactly max_tokens tokens
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    n: StrictInt = Field(default=1, ge=1)
+    # Sequences sampled per prompt; they share the prompt's KV (see runtime/request.py).
+    n: StrictInt = Field(default=1, ge=1, le=MAX_PARALLEL_SEQUENCES)
     priority: StrictInt = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)  # extension: higher first within its lane
     user: Optional[StrictStr] = None
 
@@ -128,8 +131,9 @@ class _SamplingFields(BaseModel):
     logit_bias: Optional[dict[StrictStr, StrictFloat]] = None
     min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)  # vLLM
     min_tokens: StrictInt = Field(default=0, ge=0, le=INT32_MAX)  # vLLM: no EOS / stop token id before
-    # Accepted only at the value that means "off": anything else is refused (never ignored).
-    best_of: Optional[StrictInt] = None
+    # Completions only (chat refuses it): sample best_of sequences, return the n with the
+    # highest cumulative logprob.
+    best_of: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_PARALLEL_SEQUENCES)
 
     @field_validator("logit_bias")
     @classmethod
@@ -159,10 +163,6 @@ class _SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.n != 1:
-            raise ParamError("n", "n > 1 is not supported; send n separate requests")
-        if self.best_of not in (None, 1):
-            raise ParamError("best_of", "best_of is not supported")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         return self
@@ -205,11 +205,22 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_completion(self):
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ParamError("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
+            if self.stream and self.best_of > self.n:
+                raise ParamError("best_of", "best_of > n is not supported with stream (the best "
+                                 "sequences are only known at the end)")
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo or prompt_logprobs)")
         return self
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences sampled per prompt: best_of when set, else n."""
+        return self.best_of or self.n
 
     @property
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -263,6 +274,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_chat(self):
+        if self.best_of not in (None, 1):
+            raise ParamError("best_of", "best_of is only supported on /v1/completions")
         if self.tools:
             raise ParamError("tools", "tools are not supported")
         if self.tool_choice is not None:
@@ -272,6 +285,10 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         return self
+
+    @property
+    def num_sequences(self) -> int:
+        return self.n
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -6,6 +6,7 @@ Pure Python (no torch): the scheduler and the benchmarks' simulated executor use
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -139,6 +140,53 @@ class SamplingParams:
         )
 
 
+def sequence_seed(seed: Optional[int], index: int) -> Optional[int]:
+    """The sampling seed of sequence `index` of a parallel-sampling group (n > 1, best_of)
+    whose request asked for `seed`: sequence 0 keeps the request's seed (so it samples what
+    an n=1 request would), sequence i > 0 gets the first 63 bits of
+    sha256("{seed}:{i}"). Same seed, same n outputs; None stays None (unseeded)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences one prompt is sampled into in parallel (n > 1, best_of), in index order.
+
+    members[0], the leader, computes the prompt as an n=1 request would. Once it has computed
+    all prompt tokens but the last, the others fork from it: they share its blocks (ref
+    counted) and each computes the last prompt token itself and samples from its own logits.
+    The block holding that token is copied on write by whichever sequence writes into it
+    while it is still shared (`StepPlan.block_copies`)."""
+
+    members: list["Request"]
+    forked: bool = False  # the followers hold their share of the leader's blocks
+
+    @classmethod
+    def of(cls, members: list["Request"]) -> "SequenceGroup":
+        """Tie `members` (index order, at least two) into one group."""
+        if len(members) < 2:
+            raise ValueError(f"a sequence group needs at least 2 sequences, got {len(members)}")
+        group = cls(list(members))
+        # A one-token prompt has nothing to share: the sequences run independently.
+        group.forked = members[0].num_prompt_tokens <= 1
+        for i, member in enumerate(members):
+            member.group = group
+            member.awaits_fork = i > 0 and not group.forked
+        return group
+
+    @property
+    def leader(self) -> "Request":
+        return self.members[0]
+
+    @property
+    def fork_tokens(self) -> int:
+        """Prompt tokens the followers take from the leader (all but the last)."""
+        return self.leader.num_prompt_tokens - 1
+
+
 @dataclass
 class Request:
     request_id: str
@@ -166,6 +214,11 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # the engine handed them to an output already
+    # Parallel sampling: the group this sequence belongs to (None: a single sequence), and
+    # whether it still waits for its leader's prompt before it can run (a follower before
+    # the fork: counted as running once its leader started, holding no blocks).
+    group: Optional[SequenceGroup] = None
+    awaits_fork: bool = False
 
     # Timestamps (time.monotonic()); they feed TTFT, TPOT, queue delay, prefill/decode time.
     first_scheduled_time: Optional[float] = None

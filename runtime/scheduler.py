@@ -27,6 +27,14 @@ The result is a `StepPlan`; the executor's `ExecutorOutput` comes back through
 logprobs a chunk scored), applies stop conditions and registers newly full blocks in the
 prefix cache.
 
+Lane isolation (docs/tuning.md, "Lane isolation"): with KV shares (maxKvCacheShare,
+kvCacheReserved; kv_quotas.py) a lane allocates only within its room, the high watermark is
+applied per lane against its own capacity (not at all inside its reserve), and a lane stopped
+by its own share does not stop the others' admission. With `stepTimeBudget: auto`
+(step_cost.py) each step is capped at a share of the tightest TPOT target of the running lanes:
+looser lanes' prefill chunks shrink, lower-priority prefills yield to higher-priority ones, and
+looser lanes' decodes may skip a step within their own target.
+
 `continuousBatching: false` (static batching): a batch of up to maxActiveSequences waiting
 requests is picked when the previous batch has completely finished, and no other request
 starts until every member of the batch has finished.
@@ -44,9 +52,23 @@ from typing import Callable, Optional
 
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.kv_cache import KVCacheManager
+from tokenlane.runtime.kv_quotas import LaneKVQuotas
 from tokenlane.runtime.lanes import Lane
 from tokenlane.runtime.plan import ExecutorOutput, ScheduledChunk, StepPlan
 from tokenlane.runtime.request import Request, RequestStatus
+from tokenlane.runtime.step_cost import StepCostModel, StepTimeBudget
+
+# stepTimeBudget: the step's cap is this share of the tightest TPOT target of the running
+# lanes (headroom for the cost model's error); a prefill chunk the cap shortens keeps at least
+# CAPPED_PREFILL_FLOOR tokens when it is the step's first, so prefills always progress.
+STEP_BUDGET_SHARE = 0.85
+CAPPED_PREFILL_FLOOR = 32
+# A lane without a TPOT target lets its decodes wait at most this long for the cap.
+UNTARGETED_DECODE_WAIT_S = 1.0
+# While a higher-priority lane has prefill work, a lower-priority lane's prefill chunk adds at
+# most this share of the cap to the step (the higher-priority prompts' steps stay short), but
+# keeps CAPPED_PREFILL_FLOOR tokens (so it never starves).
+YIELDING_PREFILL_SHARE = 0.0
 
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
@@ -93,6 +115,15 @@ class Scheduler:
         self.num_preemptions_total = 0
         # Lane name -> requests started running in the last `schedule()` (for step stats).
         self.last_started: dict[str, int] = {}
+        # Lanes' KV shares (maxKvCacheShare, kvCacheReserved); enforced by preemption at the
+        # first step after a reload changed them.
+        self.quotas = LaneKVQuotas(num_kv_blocks)
+        self._quotas_changed = False
+        # stepTimeBudget: the cost model, fitted from measured steps, and this step's budget.
+        self.step_cost = StepCostModel()
+        self._step_budget = StepTimeBudget(self.step_cost, None)
+        self.num_time_capped_steps = 0
+        self._step_index = 0
         self.apply_config(config)
 
     # ------------------------------------------------------------------ config
@@ -129,6 +160,12 @@ class Scheduler:
             counts[request.lane] = counts.get(request.lane, 0) + 1
         self._batch_waiting_per_lane = counts
         self._rerank()
+        quotas = self.quotas
+        shares = {name: (lane.budgets.max_kv_cache_share, lane.budgets.kv_cache_reserved) for name, lane in lanes.items()}
+        self._quotas_changed = shares != getattr(self, "_kv_shares", None)
+        self._kv_shares = shares
+        quotas.configure({name: lane.budgets for name, lane in lanes.items()})
+        quotas.recount(self.running)  # running requests of a removed lane moved lanes
 
     # ------------------------------------------------------------------ queries
 
@@ -155,7 +192,8 @@ class Scheduler:
         assert request.lane in self.lanes, f"unknown lane {request.lane}"
         request.status = WAITING
         self.requests[request.request_id] = request
-        self.lanes[request.lane].push(request)
+        if not request.awaits_fork:  # a follower starts with its leader (_start_unforked_followers)
+            self.lanes[request.lane].push(request)
         if request.deadline is not None:
             deadlines = self._deadlines
             heapq.heappush(deadlines, (request.deadline, next(self._rank_seq), request))
@@ -174,6 +212,7 @@ class Scheduler:
             lane.num_running -= 1
             self.num_running -= 1
             self._remove_running(request)
+            self.quotas.release(request.lane, len(request.block_ids))
         elif not lane.remove(request) and request.request_id in self._batch:
             try:
                 self._batch_waiting.remove(request)
@@ -187,6 +226,8 @@ class Scheduler:
         if request.first_scheduled_time is not None:
             self._finished_for_executor.append(request)
         self.newly_finished.append(request)
+        if request.group is not None and not request.group.forked:
+            self._finish_unforked_followers(request, status, detail)
 
     def drain_finished(self) -> list[Request]:
         out, self.newly_finished = self.newly_finished, []
@@ -203,6 +244,15 @@ class Scheduler:
         plan = StepPlan()
         if self._finished_for_executor:
             plan.finished = self._finished_for_executor
+        if self.quotas.active:
+            self.quotas.recount(self.running)
+        if self._quotas_changed:
+            self._enforce_kv_quotas(plan)
+        quota_preemptions = len(plan.preempted)
+        budget = self._step_budget = StepTimeBudget(self.step_cost, self._step_cap_s())
+        timed = budget.active
+        if timed:
+            budget.prefill_priority = self._prefill_priority([])
         sched = self.sched
         kv = self.kv
         bs = self.block_size
@@ -222,19 +272,38 @@ class Scheduler:
         later_prefills: list[tuple[int, Request]] = []
         running = self.running
         for index, request in enumerate(running):
-            if request.status is not RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RUNNING or request.awaits_fork:
+                continue  # preempted earlier in this loop, or a follower not forked yet
             computed = request.num_computed_tokens
             remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
             if remaining == 1:  # a decode
                 lane = lanes[request.lane]
                 if lane.tokens_left < 1 or token_budget < 1:
                     continue
+                if timed:
+                    if not budget.fits(computed, 1) and self._may_skip_decode(request, lane, now, budget):
+                        budget.capped = True
+                        lane.time_capped_steps += lane.last_capped_step != self._step_index
+                        lane.last_capped_step = self._step_index
+                        continue
+                    budget.add(computed, 1)
                 if computed >= len(request.block_ids) * bs:  # needs one more block
-                    if not self._make_room(1, index, scheduled, plan):
+                    if not self._fits(1, request.lane) and not self._make_room(
+                        1, index, scheduled, plan, lane=request.lane
+                    ):
                         self._preempt(request, plan)
                         continue
                     kv.append_block(request)
+                    self.quotas.charge(request.lane, 1)
+                elif request.group is not None and kv.is_shared(request.block_ids[computed // bs]):
+                    # Parallel sampling: its block is shared with its group: copy on write.
+                    if not self._fits(1, request.lane) and not self._make_room(
+                        1, index, scheduled, plan, lane=request.lane
+                    ):
+                        self._preempt(request, plan)
+                        continue
+                    if kv.is_shared(request.block_ids[computed // bs]):  # room made by evicting a sibling?
+                        plan.block_copies.append(kv.copy_on_write(request, computed // bs))
                 decodes_append(ScheduledChunk(request, computed, 1, True))
                 scheduled_add(request.request_id)
                 lane.tokens_left -= 1
@@ -245,6 +314,8 @@ class Scheduler:
                 )
             else:
                 later_prefills.append((index, request))
+        if timed:
+            budget.prefill_priority = max(budget.prefill_priority, self._prefill_priority(later_prefills))
         for index, request in later_prefills:
             if request.status is not RUNNING:
                 continue
@@ -259,7 +330,7 @@ class Scheduler:
 
         # --- waiting requests start (not in a step that had to preempt: memory is short)
         self._catch_up_idle_lanes()
-        if not plan.preempted:
+        if len(plan.preempted) == quota_preemptions:
             token_budget = self._admit(token_budget, scheduled, prefills, plan, now)
 
         if not mixed:
@@ -268,6 +339,9 @@ class Scheduler:
         plan.num_batched_tokens = sched.max_batched_tokens - token_budget
         if plan.chunks:
             self._finished_for_executor = []
+        if budget.capped:
+            self.num_time_capped_steps += 1
+        self._step_index += 1
         return plan
 
     def _schedule_prefill(
@@ -283,33 +357,53 @@ class Scheduler:
         """Next prefill chunk of a running request; returns the tokens it took."""
         remaining = request.num_tokens - request.num_computed_tokens
         n = min(remaining, lane.budgets.prefill_chunk_size, token_budget, lane.tokens_left)
+        n = self._chunk_in_time(lane, request.num_computed_tokens, n)
         if n <= 0:
             return 0
         kv = self.kv
         need = kv.num_blocks_to_allocate(request, n)
-        if not kv.can_allocate(need) and not self._make_room(need, index, scheduled, plan):
-            # Take what fits rather than nothing (the chunk shrinks to the free blocks).
-            room = (len(request.block_ids) + kv.num_free_blocks) * self.block_size
+        if not self._fits(need, request.lane) and not self._make_room(
+            need, index, scheduled, plan, lane=request.lane
+        ):
+            # Take what fits rather than nothing (the chunk shrinks to the lane's room).
+            room = (len(request.block_ids) + self._room(request.lane)) * self.block_size
             n = min(n, room - request.num_computed_tokens)
             if n <= 0:
                 return 0
+        held = len(request.block_ids)
         kv.allocate(request, n)
+        self.quotas.charge(request.lane, len(request.block_ids) - held)
+        self._step_budget.add(request.num_computed_tokens, n)
         start = request.num_computed_tokens
         prefills.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
         scheduled.add(request.request_id)
         lane.tokens_left -= n
         return n
 
-    def _make_room(self, num_blocks: int, index: int, scheduled: set[str], plan: StepPlan) -> bool:
+    def _make_room(
+        self, num_blocks: int, index: int, scheduled: set[str], plan: StepPlan, lane: Optional[str] = None
+    ) -> bool:
         """Preempt lowest-ranked running requests after `index` not yet scheduled this step
-        until `num_blocks` blocks are free. False if that is not possible."""
-        kv = self.kv
+        until `num_blocks` blocks are free (and, for `lane`, within its KV shares). False if
+        that is not possible. With KV shares, a victim of another lane inside its reserve
+        frees nothing `lane` may take, so it is spared."""
         running = self.running
+        quotas = self.quotas
+        spare_reserves = lane is not None and quotas.active
         victim_index = len(running) - 1
-        while not kv.can_allocate(num_blocks):
+        while not self._fits(num_blocks, lane):
             while victim_index > index:
                 victim = running[victim_index]
-                if victim.status is RUNNING and victim.request_id not in scheduled:
+                if (
+                    victim.status is RUNNING
+                    and victim.request_id not in scheduled
+                    and not victim.awaits_fork
+                    and not (
+                        spare_reserves
+                        and victim.lane != lane
+                        and quotas.held.get(victim.lane, 0) <= quotas.reserve.get(victim.lane, 0)
+                    )
+                ):
                     break
                 victim_index -= 1
             else:
@@ -320,6 +414,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Evict by recompute: free the blocks, back to the head of the lane's queue."""
+        self.quotas.release(request.lane, len(request.block_ids))
         self.kv.free(request)
         request.status = PREEMPTED
         request.num_computed_tokens = 0
@@ -335,6 +430,8 @@ class Scheduler:
             self._count_batch_waiting(request.lane, 1)
         else:
             lane.push(request)
+        if request.group is not None and not request.group.forked:
+            self._stop_unforked_followers(request)
 
     def _admit(
         self,
@@ -360,13 +457,28 @@ class Scheduler:
         if not candidates:
             return token_budget
         started: set[str] = set()
+        time_denied: list[Lane] = []
         while candidates and token_budget > 0 and self.num_running < max_active:
-            if kv.usage >= high and self.num_running:
-                break  # above the high watermark: no new prefills start
             lane = min(candidates, key=self._lane_order)
+            if self.num_running and self._above_watermark(lane.name, high):
+                candidates.remove(lane)  # above its high watermark: none of its prefills start
+                continue
             request = lane.peek()
+            if self.quotas.active and self.exceeds_lane_capacity(request):
+                # Its lane's shares can never hold it (the shares changed since admission).
+                self.finish_request(request, RequestStatus.FINISHED_REJECTED, "too_long")
+                if not lane.num_waiting:
+                    candidates.remove(lane)
+                continue
             n = self._start(request, lane, token_budget, prefills, now, from_lane=lane)
             if n is None:
+                if self._step_budget.active and self._step_budget.lane_out_of_time(lane.name):
+                    candidates.remove(lane)  # it yields this step's time to higher priorities
+                    time_denied.append(lane)
+                    continue
+                if self._lane_blocked_by_quota(lane.name, request):
+                    candidates.remove(lane)  # its own shares stop it, not the pool: others go on
+                    continue
                 break  # not enough free blocks: stop starting (head-of-line, no skipping)
             scheduled.add(request.request_id)
             started.add(lane.name)
@@ -381,10 +493,141 @@ class Scheduler:
             ):
                 candidates.remove(lane)
         if started:
-            for lane in candidates:
+            for lane in candidates + time_denied:
                 if lane.name not in started and lane.num_waiting and lane.tokens_left > 0:
                     lane.starved_steps += 1
         return token_budget
+
+    # ---- KV shares of the lanes (kv_quotas.py)
+
+    def _room(self, lane_name: str) -> int:
+        """Blocks the lane may allocate now (the free blocks without quotas)."""
+        return self.quotas.room(lane_name, self.kv.num_free_blocks)
+
+    def _fits(self, num_blocks: int, lane_name: Optional[str], table_growth: Optional[int] = None) -> bool:
+        """Whether `num_blocks` free blocks may be taken for the lane; `table_growth`: the
+        block-table entries it adds, when more (prefix hits on blocks in use count against
+        the lane's cap but take no free block)."""
+        if lane_name is None or not self.quotas.active:
+            return self.kv.can_allocate(num_blocks)
+        quotas = self.quotas
+        if table_growth is not None and table_growth > num_blocks:
+            cap = quotas.cap.get(lane_name, quotas.num_blocks)
+            if cap < quotas.num_blocks and quotas.held.get(lane_name, 0) + table_growth > cap:
+                return False
+        return num_blocks <= self._room(lane_name)
+
+    def _above_watermark(self, lane_name: str, high: float) -> bool:
+        """The high watermark, applied to the lane against its own capacity (the pool's
+        usage without quotas; never while the lane is inside its reserve)."""
+        return self.quotas.usage_of(lane_name, self.kv.num_free_blocks) >= high
+
+    def lane_kv_usage(self, lane_name: str) -> float:
+        """The lane's KV usage for the reject watermark (admission): against its own capacity
+        with KV shares in force, else the pool's."""
+        if not self.quotas.active:
+            return self.kv.usage
+        return self.quotas.usage_of(lane_name, self.kv.num_free_blocks)
+
+    def lane_kv_capacity(self, lane_name: str) -> int:
+        """The most KV blocks one request of the lane can ever get (admission's size check)."""
+        return self.quotas.capacity(lane_name)
+
+    def exceeds_lane_capacity(self, request: Request) -> bool:
+        total = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if self.max_model_len:
+            total = min(total, self.max_model_len)
+        return self.kv.blocks_for_tokens(total) > self.quotas.capacity(request.lane)
+
+    def _lane_blocked_by_quota(self, lane_name: str, request: Request) -> bool:
+        """Whether the request's first chunk would fit in the free blocks but not in the
+        lane's room (so the lane, not the pool, is full)."""
+        if not self.quotas.active:
+            return False
+        chunk = min(request.num_tokens, self.lanes[lane_name].budgets.prefill_chunk_size)
+        return self.kv.blocks_for_tokens(chunk) <= self.kv.num_free_blocks
+
+    def _enforce_kv_quotas(self, plan: StepPlan) -> None:
+        """After a reload changed the lanes' KV shares: preempt (recompute), lowest-ranked
+        first, requests of lanes above their new cap, and requests of lanes above their own
+        reserve while another lane's reserve is not free."""
+        self._quotas_changed = False
+        quotas, kv = self.quotas, self.kv
+        if not quotas.active:
+            return
+        for request in reversed(list(self.running)):
+            if request.status is not RUNNING or request.awaits_fork:
+                continue
+            lane = request.lane
+            held = quotas.held.get(lane, 0)
+            over_cap = held > quotas.cap.get(lane, quotas.num_blocks)
+            reserves_short = kv.num_free_blocks < sum(quotas.unmet(name) for name in quotas.reserve)
+            if over_cap or (reserves_short and held > quotas.reserve.get(lane, 0)):
+                self._preempt(request, plan)
+
+    # ---- step-time budget (step_cost.py)
+
+    def _step_cap_s(self) -> Optional[float]:
+        """This step's time cap: a share of the tightest TPOT target among the lanes with
+        running requests; None when off or no running lane has a TPOT target."""
+        if self.sched.step_time_budget != "auto":
+            return None
+        targets = [
+            lane.config.slo.tpot_p95_ms
+            for lane in self.lanes.values()
+            if lane.num_running and lane.config.slo.tpot_p95_ms
+        ]
+        return min(targets) / 1000.0 * STEP_BUDGET_SHARE if targets else None
+
+    def _prefill_priority(self, running_prefills: list[tuple[int, Request]]) -> int:
+        """The highest priority among lanes with prefill work this step (running prefills,
+        or waiting requests that may start)."""
+        lanes = self.lanes
+        top = max((lanes[r.lane].config.priority for _, r in running_prefills), default=-1)
+        for lane in lanes.values():
+            if lane.num_waiting and lane.config.priority > top and lane.num_running < lane.budgets.max_active_sequences:
+                top = lane.config.priority
+        return top
+
+    def _may_skip_decode(self, request: Request, lane: Lane, now: float, budget: StepTimeBudget) -> bool:
+        """A decode of a lane with a looser TPOT target than the step's cap may sit out this
+        step if its next token still comes within its own target (one more step later)."""
+        target = lane.config.slo.tpot_p95_ms
+        allowed = UNTARGETED_DECODE_WAIT_S if not target else target / 1000.0 * STEP_BUDGET_SHARE
+        cap = budget.cap_s
+        if allowed <= cap or not request.token_times:
+            return False
+        return now - request.token_times[-1] + 2 * cap <= allowed
+
+    def _chunk_in_time(self, lane: Lane, start: int, n: int, starting: bool = False) -> int:
+        """`n`, shortened so the step stays within its time cap (the step's first prefill
+        keeps CAPPED_PREFILL_FLOOR tokens). Chunks of the lanes whose TPOT target sets the
+        cap are never shortened: their time to first token is theirs to keep too. A lane
+        yielding to a higher-priority lane's prefills gets the floor for one running prefill
+        per step, and starts nothing unless the starvation guard lets it go first."""
+        budget = self._step_budget
+        if not budget.active or n <= 0:
+            return n
+        budget.prefill_priority = max(budget.prefill_priority, lane.config.priority)
+        target = lane.config.slo.tpot_p95_ms
+        if target and target / 1000.0 * STEP_BUDGET_SHARE <= budget.cap_s * (1 + 1e-9):
+            budget.add_pending_prefill()
+            return n
+        yielding = lane.config.priority < budget.prefill_priority
+        if yielding:
+            floored = lane.name in budget.floored_lanes or (starting and lane.starved_steps < self.starvation_steps)
+            floor = 0 if floored else CAPPED_PREFILL_FLOOR
+        else:
+            floor = 0 if budget.has_prefill else CAPPED_PREFILL_FLOOR
+        share = YIELDING_PREFILL_SHARE if yielding else 1.0
+        fitted = budget.largest_chunk(start, n, floor, share)
+        if yielding and fitted:
+            budget.floored_lanes.add(lane.name)
+        budget.denied_lane = None if fitted else lane.name
+        if fitted < n:
+            lane.time_capped_steps += lane.last_capped_step != self._step_index
+            lane.last_capped_step = self._step_index
+        return fitted
 
     def _catch_up_idle_lanes(self) -> None:
         """An idle lane must not bank credit: when it gets work again it starts level with
@@ -417,15 +660,23 @@ class Scheduler:
         cached = kv.find_cached_prefix(request, cache_limit)
         todo = request.num_tokens - len(cached) * self.block_size
         n = min(todo, lane.budgets.prefill_chunk_size, token_budget, lane.tokens_left)
+        n = self._chunk_in_time(lane, len(cached) * self.block_size, n, starting=True)
         if n <= 0:
             return None
-        if not kv.can_allocate(kv.num_blocks_to_allocate(request, n, cached)):
+        need = kv.num_blocks_to_allocate(request, n, cached)
+        group = request.group
+        starts_group = group is not None and not group.forked and group.leader is request
+        if starts_group and not self._group_fits(group, lane, need):
+            return None
+        if not self._fits(need, lane.name, kv.blocks_for_tokens(len(cached) * self.block_size + n)):
             return None
         if from_lane is not None:
             from_lane.pop()
         if first_time and cache_limit != 0:  # a lookup it may not use is not a query
             kv.record_prefix_query(request, cached)
         kv.allocate(request, n, cached)
+        self.quotas.charge(lane.name, len(request.block_ids))
+        self._step_budget.add(request.num_computed_tokens, n)
         request.status = RUNNING
         if first_time:
             request.first_scheduled_time = now
@@ -441,6 +692,8 @@ class Scheduler:
         start = request.num_computed_tokens
         prefills.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
         lane.tokens_left -= n
+        if starts_group:
+            self._start_unforked_followers(request, lane, now)
         return n
 
     def _admit_static(
@@ -451,7 +704,10 @@ class Scheduler:
         high = self.sched.kv_cache_high_watermark
         while self._batch_waiting and token_budget > 0:
             request = self._batch_waiting[0]
-            if self.kv.usage >= high and self.num_running:
+            if self.quotas.active and self.exceeds_lane_capacity(request):
+                self.finish_request(request, RequestStatus.FINISHED_REJECTED, "too_long")
+                continue
+            if self.num_running and self._above_watermark(request.lane, high):
                 break
             lane = self.lanes[request.lane]
             n = self._start(request, lane, token_budget, prefills, now, from_lane=None)
@@ -472,11 +728,17 @@ class Scheduler:
         candidates = [lane for lane in self.lanes.values() if lane.num_waiting]
         while candidates and len(self._batch) < cap:
             lane = min(candidates, key=self._lane_order)
+            # A parallel-sampling group joins whole: its followers count as batch members.
+            group = lane.peek().group
+            followers = [f for f in group.members[1:] if not f.is_finished] if group and not group.forked else []
+            if followers and self._batch and len(self._batch) + 1 + len(followers) > cap:
+                break
             request = lane.pop()
             self._batch.add(request.request_id)
+            self._batch.update(f.request_id for f in followers)
             self._batch_waiting.append(request)
             self._count_batch_waiting(request.lane, 1)
-            taken[lane.name] = taken.get(lane.name, 0) + 1
+            taken[lane.name] = taken.get(lane.name, 0) + 1 + len(followers)
             lane.vtime += request.num_tokens / lane.config.weight
             lane.starved_steps = 0
             if not lane.num_waiting or taken[lane.name] >= lane.budgets.max_active_sequences:
@@ -494,6 +756,8 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, output: ExecutorOutput) -> list[Request]:
         """Apply one step's results; returns the requests that got a new token."""
         now = self.clock()
+        if self.sched.step_time_budget == "auto" and plan.chunks:
+            self.step_cost.observe(((c.start, c.num_tokens) for c in plan.chunks), output.step_seconds)
         sampled, errors = output.sampled, output.errors
         kv = self.kv
         bs = self.block_size
@@ -517,6 +781,9 @@ class Scheduler:
             if params.prompt_logprobs is not None and before < request.num_prompt_tokens:
                 if not self._record_prompt_logprobs(request, chunk, output):
                     continue
+            group = request.group
+            if group is not None and not group.forked and after >= group.fork_tokens:
+                self._fork(group)
             if not chunk.sample:
                 continue
             if params.max_tokens == 0:  # prompt logprobs only: the sampled token is not wanted
@@ -567,6 +834,77 @@ class Scheduler:
             known.extend(entries[max(0, skip):])
         return True
 
+    # ------------------------------------------------------------------ parallel sampling
+    # A group's followers are counted as running from the moment their leader starts (so
+    # maxActiveSequences and the lanes' caps count every sequence) but get no chunk and hold
+    # no block until the fork; see SequenceGroup in request.py.
+
+    def _group_fits(self, group, lane: Lane, leader_blocks: int) -> bool:
+        """Whether a leader may start now: room for all its sequences (unless nothing else
+        runs, so a group larger than a cap still progresses) and, past its own first chunk,
+        one free block per follower (each one's copy of the shared partial block)."""
+        size = len(group.members)
+        if self.num_running and self.num_running + size > self.sched.max_active_sequences:
+            return False
+        if lane.num_running and lane.num_running + size > lane.budgets.max_active_sequences:
+            return False
+        return self._fits(leader_blocks + size - 1, lane.name)
+
+    def _start_unforked_followers(self, leader: Request, lane: Lane, now: float) -> None:
+        if self._running_dirty:  # drop stale entries first: a follower must not be in twice
+            self._compact_running()
+        in_batch = leader.request_id in self._batch
+        for follower in leader.group.members[1:]:
+            if follower.status is not WAITING:
+                continue  # finished already (cancelled)
+            follower.status = RUNNING
+            if follower.first_scheduled_time is None:
+                follower.first_scheduled_time = now
+            lane.num_running += 1
+            self.num_running += 1
+            key = (-lane.config.priority, next(self._rank_seq))
+            pos = bisect.bisect(self._rank, key)
+            self._rank.insert(pos, key)
+            self.running.insert(pos, follower)
+            self._rank_of[follower.request_id] = key
+            if in_batch:
+                self._batch.add(follower.request_id)
+
+    def _stop_unforked_followers(self, leader: Request) -> None:
+        """The leader left the running set before the fork: its followers wait again (their
+        running-set entries go at the next compaction, as a preempted request's do)."""
+        for follower in leader.group.members[1:]:
+            if follower.status is RUNNING:
+                follower.status = WAITING
+                self.lanes[follower.lane].num_running -= 1
+                self.num_running -= 1
+                self._running_dirty = True
+
+    def _finish_unforked_followers(self, leader: Request, status: RequestStatus, detail: str) -> None:
+        """A leader that ends before the fork ends its followers the same way (they have no
+        prompt to fork from)."""
+        if leader is not leader.group.leader:
+            return
+        for follower in leader.group.members[1:]:
+            if not follower.is_finished:
+                self.finish_request(follower, status, detail)
+
+    def _fork(self, group) -> None:
+        """The leader computed every prompt token but the last: each waiting follower takes
+        its share of the leader's blocks and continues from there as a decode."""
+        leader = group.leader
+        group.forked = True
+        for follower in group.members[1:]:
+            follower.awaits_fork = False
+            if follower.is_finished:
+                continue
+            assert follower.status is RUNNING, (follower.request_id, follower.status)
+            self.kv.fork(leader, follower, group.fork_tokens)
+            self.quotas.charge(follower.lane, len(follower.block_ids))  # shared entries count per holder
+            follower.num_cached_tokens = leader.num_cached_tokens
+            if follower.sampling_params.prompt_logprobs is not None:
+                follower.prompt_logprobs = list(leader.prompt_logprobs)
+
     # ------------------------------------------------------------------ housekeeping
 
     def _expire(self, now: float) -> None:
@@ -587,6 +925,8 @@ class Scheduler:
         request.finish(status, detail, now=self.clock())
         del self.requests[request.request_id]
         self.newly_finished.append(request)
+        if request.group is not None and not request.group.forked:
+            self._finish_unforked_followers(request, status, detail)
 
     def _remove_running(self, request: Request) -> None:
         """Take a request out of the running set: O(log n) search + one memmove."""
@@ -631,6 +971,7 @@ class Scheduler:
         live = list(self.requests.values())
         self.kv.check_invariants(live)
         running = [r for r in self.running if r.status is RUNNING]
+        self.quotas.check_invariants(running, self.kv.num_free_blocks)
         assert len(running) == self.num_running, (len(running), self.num_running)
         assert len({r.request_id for r in running}) == len(running), "request running twice"
         for lane in self.lanes.values():
@@ -643,7 +984,12 @@ class Scheduler:
             else:
                 assert not r.block_ids and r.num_computed_tokens == 0, r.request_id
         waiting = self.num_waiting
-        assert waiting + self.num_running == len(live), (waiting, self.num_running, len(live))
+        held = sum(1 for r in live if r.awaits_fork and r.status is WAITING)  # off-queue followers
+        assert waiting + held + self.num_running == len(live), (waiting, held, self.num_running, len(live))
+        for r in live:
+            if r.awaits_fork:
+                assert not r.block_ids and r.num_computed_tokens == 0, r.request_id
+                assert r.status is RUNNING or r.group.leader.status is not RUNNING, r.request_id
         for name in self.lanes:
             n = sum(1 for r in self._batch_waiting if r.lane == name)
             assert self._batch_waiting_per_lane.get(name, 0) == n, name

@@ -37,6 +37,12 @@ class StepStats:
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
     kv_usage: float = 0.0  # used / total blocks, 0..1
+    kv_blocks_cached_free: int = 0  # of the free blocks, those still holding a cached prefix
+    kv_blocks_reserved: int = 0  # of the free blocks, those held back for lanes' unmet KV reserves
+    # (lane, seconds) per request whose blocks went back to the pool in the step: from the
+    # moment its end was known (cancel call, deadline, last token computed) to blocks free.
+    kv_releases: list[tuple[str, float]] = field(default_factory=list)
+    oom_events: int = 0  # executor steps that ran out of accelerator memory (their requests failed)
     lanes: dict[str, LaneStepStats] = field(default_factory=dict)
 
 

@@ -26,8 +26,8 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-# runtime,triton for GPUs; the CPU variant drops triton (it only compiles for CUDA devices).
-ARG EXTRAS=runtime,triton
+# runtime,triton,gpu for GPUs (gpu: NVML gauges); the CPU variant drops triton and gpu (CUDA only).
+ARG EXTRAS=runtime,triton,gpu
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
@@ -53,7 +53,7 @@ RUN --mount=type=secret,id=pip-cert,target=/run/secrets/pip-cert \
 
 # ---- runtime image
 FROM ${CUDA_IMAGE}
-ARG EXTRAS=runtime,triton
+ARG EXTRAS=runtime,triton,gpu
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 LABEL org.opencontainers.image.title="tokenlane" \

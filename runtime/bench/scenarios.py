@@ -8,12 +8,18 @@ the same traffic, so the table and the ratios compare configurations, not luck.
 - lanes-flood: the interactive lane's trace traffic alone and then with a concurrent flood of
   8k-16k-token prompts in the long-context lane; with lanes + chunked prefill (budgets tuned for
   the flood, and the production example budgets), with one FIFO lane and chunked prefill, and
-  with one FIFO lane and no chunking.
+  with one FIFO lane and no chunking; and with lane isolation over the example budgets.
+- lanes-kv-flood: 60% interactive, 40% long-context requests with 4k-16k-token prompts and
+  64-2048-token outputs (they hold KV blocks for seconds): two equal lanes, the example lanes,
+  and the example lanes with lane isolation (a KV reserve and the step-time budget).
+- lanes-batch-flood: the interactive trace with/without a flood of long-output batch requests
+  (many long decodes read their KV every step), example lanes with and without isolation.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -150,8 +156,9 @@ def lanes_flood(time_scale: float = 2.0, duration_s: float = 120.0, flood_rps: f
     quiet = conversation_traffic(time_scale, duration_s, seed, lane="interactive")
     flooded = merge(quiet, flood_traffic(flood_rps, duration_s, seed))
     slos = slos_from_config(production_config())  # same targets for every config, per traffic class
-    labels = ("lanes-tuned", "lanes-default", "fifo+chunked", "fifo+unchunked")
-    configs = (lanes_config(FLOOD_TUNED_LANES), lanes_config(), fifo_config(True), fifo_config(False))
+    labels = ("lanes-tuned", "lanes-default", "lanes-isolated", "fifo+chunked", "fifo+unchunked")
+    configs = (lanes_config(FLOOD_TUNED_LANES), lanes_config(), isolated_config(), fifo_config(True),
+               fifo_config(False))
     phases = []
     for label, cfg in zip(labels, configs):
         phases.append(Phase(f"{label}/quiet", cfg, quiet, slos))
@@ -165,7 +172,77 @@ def lanes_flood(time_scale: float = 2.0, duration_s: float = 120.0, flood_rps: f
     )
 
 
+def kv_flood_traffic(rate_rps: float, duration_s: float, seed: int) -> Traffic:
+    """60% interactive (short prompts and outputs), 40% long-context (4k-16k-token prompts,
+    64-2048-token outputs): long sequences that hold KV blocks for many seconds."""
+    return build_requests(
+        TrafficSpec(source="synthetic", seed=seed, duration_s=duration_s, rate_rps=rate_rps,
+                    lanes=[LaneMix(lane="interactive", share=3, prompt="short", output="short"),
+                           LaneMix(lane="long-context", share=2, prompt="long", output="long")],
+                    tenants=["default"], max_prompt_tokens=16384)
+    )
+
+
+# Lane isolation (docs/tuning.md, "Lane isolation"), over the example budgets: the interactive
+# lane keeps 5% of the KV cache that no other lane can take (its requests are short: a few
+# hundred blocks of ~50k), and the step-time budget keeps every step within the interactive
+# TPOT target, lower-priority prefills yielding to the interactive ones.
+ISOLATED_LANES = {"interactive": {"kvCacheReserved": 0.05}}
+
+
+def isolated_config() -> RuntimeConfig:
+    config = lanes_config(ISOLATED_LANES)
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, step_time_budget="auto"))
+
+
+def lanes_kv_flood(duration_s: float = 120.0, rate_rps: float = 16.0, seed: int = 0) -> Scenario:
+    traffic = kv_flood_traffic(rate_rps, duration_s, seed)
+    slos = slos_from_config(production_config())
+    # Nothing protects the interactive lane: same priority and weight, no shares, no time cap.
+    equal = [{"name": "interactive", "default": True, "slo": {"ttftP95Ms": 500, "tpotP95Ms": 60}},
+             {"name": "long-context", "class": "long-context", "slo": {"ttftP95Ms": 8000, "tpotP95Ms": 120}}]
+    return Scenario(
+        name="lanes-kv-flood",
+        title=(f"{rate_rps:g} req/s for {duration_s:g} s: 60% interactive, 40% long-context "
+               "(4k-16k-token prompts, 64-2048-token outputs), no tuner"),
+        phases=[
+            Phase("equal-lanes", production_config(lanes=equal), traffic, slos),
+            Phase("lanes-default", lanes_config(), traffic, slos),
+            Phase("lanes-isolated", isolated_config(), traffic, slos),
+        ],
+        ratio_pairs=[("lanes-isolated", "equal-lanes"), ("lanes-default", "equal-lanes")],
+    )
+
+
+def batch_flood_traffic(rate_rps: float, duration_s: float, seed: int) -> Traffic:
+    """Batch-lane requests with medium prompts and long outputs (64-2048 tokens)."""
+    return build_requests(
+        TrafficSpec(source="synthetic", seed=seed + 2000, duration_s=duration_s, rate_rps=rate_rps,
+                    lanes=[LaneMix(lane="batch", prompt="medium", output="long")], tenants=["default"])
+    )
+
+
+def lanes_batch_flood(time_scale: float = 2.0, duration_s: float = 120.0, flood_rps: float = 6.0,
+                      seed: int = 0) -> Scenario:
+    quiet = conversation_traffic(time_scale, duration_s, seed, lane="interactive")
+    flooded = merge(quiet, batch_flood_traffic(flood_rps, duration_s, seed))
+    slos = slos_from_config(production_config())
+    phases = []
+    for label, cfg in (("lanes-default", lanes_config()), ("lanes-isolated", isolated_config())):
+        phases.append(Phase(f"{label}/quiet", cfg, quiet, slos))
+        phases.append(Phase(f"{label}/flood", cfg, flooded, slos))
+    return Scenario(
+        name="lanes-batch-flood",
+        title=(f"Interactive lane (trace x{time_scale:g}) with/without a {flood_rps:g} req/s flood of "
+               "long-output requests in the batch lane"),
+        phases=phases,
+        ratio_pairs=[(f"{label}/flood", f"{label}/quiet") for label in ("lanes-default", "lanes-isolated")],
+    )
+
+
 SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "continuous-vs-static": continuous_vs_static,
     "lanes-flood": lanes_flood,
+    "lanes-kv-flood": lanes_kv_flood,
+    "lanes-batch-flood": lanes_batch_flood,
 }

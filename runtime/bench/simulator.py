@@ -23,6 +23,7 @@ like the simulated GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from dataclasses import dataclass
@@ -199,6 +200,13 @@ def step_cost(profile: SimulatorProfile, chunks: list[ChunkShape]) -> StepCost:
     return StepCost(flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + g.step_overhead_s)
 
 
+def block_copy_seconds(profile: SimulatorProfile, block_size: int, num_copies: int) -> float:
+    """Time of a step's KV block copies (parallel sampling's copy on write): each copy reads
+    and writes one block of every layer's K and V, memory-bound."""
+    nbytes = 2.0 * num_copies * block_size * profile.model.kv_bytes_per_token
+    return nbytes / (profile.gpu.hbm_bytes_per_s * profile.gpu.memory_efficiency)
+
+
 def kv_blocks_for(profile: SimulatorProfile, block_size: int, gpu_memory_utilization: float) -> int:
     """KV pool size the way vLLM sizes it: device memory share minus weights and activations."""
     budget = profile.gpu.memory_bytes * gpu_memory_utilization
@@ -234,6 +242,7 @@ class SimulatedExecutor:
         self.busy_seconds = 0.0
         self.total_flops = 0.0
         self.total_bytes = 0.0
+        self.num_block_copies = 0
         self.last_cost: Optional[StepCost] = None
 
     def token_for(self, request_id: str, position: int) -> int:
@@ -244,6 +253,13 @@ class SimulatedExecutor:
     def execute(self, plan: StepPlan) -> ExecutorOutput:
         shapes = [ChunkShape(c.start, c.num_tokens, c.sample) for c in plan.chunks]
         cost = step_cost(self.profile, shapes)
+        if plan.block_copies:  # copied before the forward pass, as the model executor does
+            copies = len(plan.block_copies)
+            copy_s = block_copy_seconds(self.profile, self.block_size, copies)
+            copy_bytes = 2.0 * copies * self.block_size * self.profile.model.kv_bytes_per_token
+            cost = dataclasses.replace(cost, bytes=cost.bytes + copy_bytes, memory_s=cost.memory_s + copy_s,
+                                       seconds=cost.seconds + copy_s)
+            self.num_block_copies += copies
         out = ExecutorOutput(step_seconds=cost.seconds)
         for c in plan.chunks:
             if c.sample:

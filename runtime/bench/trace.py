@@ -66,6 +66,17 @@ def find_trace(path: Optional[str | Path] = None) -> Path:
     return PACKAGED_TRACE
 
 
+def trace_name(path: Optional[str | Path] = None) -> str:
+    """How a run's description names its trace: the Azure trace when no path is given (both
+    the shared and the packaged copy are it), else the given file's own name."""
+    if path is None:
+        return TRACE_NAME
+    name = Path(path).name
+    for suffix in (".gz", ".csv", ".jsonl", ".json"):
+        name = name[: -len(suffix)] if name.endswith(suffix) else name
+    return name or str(path)
+
+
 def load_trace(path: Optional[str | Path] = None) -> list[TraceRow]:
     """Rows of the Azure trace (either the original CSV with TIMESTAMP or the packaged form)."""
     p = find_trace(path)
@@ -359,7 +370,7 @@ def _from_trace(spec: TrafficSpec, notes: list[str]) -> tuple[list[float], np.nd
     outputs = np.maximum(1, np.round(outputs * out_scale)).astype(int)
     rate_in = len(chosen) / max(window_end - spec.trace_start_s, 1e-9)
     notes.append(
-        f"trace {TRACE_NAME}: {len(chosen)} of {len(rows)} requests from "
+        f"trace {trace_name(spec.trace_path)}: {len(chosen)} of {len(rows)} requests from "
         f"[{spec.trace_start_s:g}, {min(window_end, span):.0f}) s of {span:.0f} s; "
         f"time x{time_scale:.3g} ({rate_in:.2f} -> {rate_in * time_scale:.2f} req/s); "
         f"prompt lengths x{spec.length_scale:g} (p50 {p50_p:.0f} -> {np.median(prompts):.0f} tokens), "

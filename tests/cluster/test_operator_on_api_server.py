@@ -268,12 +268,23 @@ def tuning_runs(process: OperatorProcess) -> float:
 
 def test_zero_writes_while_the_tuner_holds(samples: Cluster, operator: Run, kubelet):
     """Quiet status: with tuning on and nothing to change (here: Prometheus cannot be reached,
-    so it holds), a tuning run writes nothing: no per-run timestamp in status, the hold's Event once."""
+    so it holds), a tuning run writes nothing: no per-run timestamp in status, the hold's Event
+    once, and no Deployment patch or "Reconciled" Event (counted among the writes about tiny),
+    also with a tuner override in force (as after the tuner acted)."""
     samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--type=merge", "-p",
                     json.dumps({"spec": {"tuning": {"enabled": True, "interval": "10s",
                                                     "prometheusUrl": "http://127.0.0.1:9"},
                                          "rollout": {"verificationWindow": "10s"}}}))
+    override = {"lanes": {"batch": {"maxBatchedTokens": 384}},
+                "learnedFrom": {"lanes": {"batch": {"maxBatchedTokens": 512}}}}
+    samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--subresource=status", "--type=merge", "-p",
+                    json.dumps({"status": {"overrides": override}}))
     try:
+        # The override reaches the ConfigMap with the operator's next periodic reconcile (a
+        # status change triggers none): up to a timer interval, more on a busy machine.
+        wait_for(lambda: [l.get("maxBatchedTokens") for l in yaml.safe_load(
+            samples.get("configmap", "tiny-config", WORKLOAD_NS)["data"]["runtime.yaml"])["lanes"]
+            if l["name"] == "batch"] == [384], timeout=300, what="the tuner's override in the ConfigMap")
         # Past the rollout guard's verification and the hold's first run (its condition, its Event).
         wait_for(lambda: (m := samples.get("msvc", "tiny", WORKLOAD_NS)) and
                  (m["status"].get("rollout") or {}).get("phase") == "Stable" and
@@ -290,10 +301,18 @@ def test_zero_writes_while_the_tuner_holds(samples: Cluster, operator: Run, kube
             assert about_tiny == []
         assert samples.get("msvc", "tiny", WORKLOAD_NS)["metadata"]["resourceVersion"] == \
             msvc["metadata"]["resourceVersion"]
+        assert samples.get("msvc", "tiny", WORKLOAD_NS)["status"]["overrides"]["lanes"] == override["lanes"]
     finally:
+        # The override goes first: the spec change's reconcile then renders without it, here
+        # rather than in a later test's measured window.
+        samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--subresource=status", "--type=merge", "-p",
+                        json.dumps({"status": {"overrides": None}}))
         samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--type=merge", "-p",
                         json.dumps({"spec": {"tuning": {"enabled": False, "interval": None, "prometheusUrl": None},
                                              "rollout": {"verificationWindow": None}}}))
+        wait_for(lambda: "maxBatchedTokens: 384" not in
+                 samples.get("configmap", "tiny-config", WORKLOAD_NS)["data"]["runtime.yaml"],
+                 timeout=300, what="the ConfigMap without the override")
 
 
 def test_someone_elses_edit_of_a_rendered_field_is_put_back(samples: Cluster, operator: Run):
@@ -392,7 +411,8 @@ def test_killed_mid_reconcile_it_converges_on_restart(samples: Cluster, operator
     assert samples.get("deployment", "crash", WORKLOAD_NS) is None
     assert not observed(samples.get("msvc", "crash", WORKLOAD_NS))
 
-    (shipped,) = [d for d in kustomize(NAMESPACED) if d["kind"] == "Role"]
+    (shipped,) = [d for d in kustomize(NAMESPACED)
+                  if d["kind"] == "Role" and d["metadata"]["name"].startswith("tokenlane-operator")]
     samples.apply([shipped])  # the shipped RBAC again
     operator.start()
     wait_for(lambda: observed(samples.get("msvc", "crash", WORKLOAD_NS)), timeout=90, what="crash reconciled")

@@ -101,7 +101,9 @@ def exported_series_names() -> set[str]:
         for value in vars(operator_metrics).values():
             if isinstance(value, MetricWrapperBase):
                 families += value.describe()
-    names = kube_state_metrics_names()
+    from tokenlane.runtime import gpu_metrics
+
+    names = kube_state_metrics_names() | set(gpu_metrics.NAMES)  # NVML gauges: only where a GPU is
     for family in families:
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"], "gauge": [""],
                     "summary": ["", "_count", "_sum"], "info": ["_info"]}.get(family.type, [""])
@@ -229,7 +231,8 @@ def test_the_alerts_the_platform_needs_exist():
     for needed in ("TokenlaneLaneTTFTBudgetBurnFast", "TokenlaneLaneTTFTBudgetBurnSlow",
                    "TokenlaneLaneTPOTBudgetBurnFast", "TokenlaneLaneTPOTBudgetBurnSlow",
                    "TokenlaneKVCacheNearRejectWatermark", "TokenlaneHighRejectionRate",
-                   "TokenlaneHighTimeoutRate", "TokenlaneRolledBack", "TokenlaneTunerStuck"):
+                   "TokenlaneHighTimeoutRate", "TokenlaneRolledBack", "TokenlaneTunerStuck",
+                   "TokenlaneOutOfMemory", "TokenlaneKVReleaseSlow"):
         assert needed in alerts
     for rule in _rules():
         if "alert" in rule:

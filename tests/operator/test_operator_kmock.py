@@ -54,7 +54,7 @@ async def test_create_renders_objects_and_status(cluster, tiny_samples):
     assert ready["Degraded"]["status"] == "False"
     lane_status = await cluster.wait_for(lambda: cluster.obj("servinglanes", "tiny-batch").get("status", {})
                                          .get("effectiveBudgets"), what="lane status")
-    assert lane_status["maxWaitingRequests"] == 64  # capped by the global 64
+    assert lane_status["maxWaitingRequests"] == 48  # the lane's cap, below the global 64
 
 
 async def test_deployment_readiness_flows_into_status(cluster, tiny_samples):

@@ -34,7 +34,7 @@ from tokenlane.runtime.config import (
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 # Fields of the sections that are not budget knobs: a new field must be one or the other.
-SCHEDULER_NON_KNOBS = {"policy"}
+SCHEDULER_NON_KNOBS = {"policy", "step_time_budget"}
 LANE_NON_KNOBS = {"name", "lane_class", "priority", "weight", "default", "slo", "match"}
 
 
@@ -72,10 +72,16 @@ def _config_with(lane_values: dict, global_values: dict) -> RuntimeConfig:
 @pytest.mark.parametrize("lane_value", [500, 2000], ids=["below-global", "above-global"])
 def test_lane_budgets_follow_each_knobs_cap_rule(lane_value):
     ints = [k for k in LANE_KNOBS if k.type is int]
-    assert len(ints) == len(LANE_KNOBS), "a float lane knob needs its own values here"
-    config = _config_with({k.key: lane_value for k in ints}, {k.key: 1000 for k in ints if k.in_scheduler})
+    floats = [k for k in LANE_KNOBS if k.type is float]
+    assert all(k.scope == LANE for k in floats), "a float knob in both sections needs its own values here"
+    shares = {k.key: 0.25 for k in floats}  # valid for every lane share (a reserve <= the cap)
+    config = _config_with({**{k.key: lane_value for k in ints}, **shares},
+                          {k.key: 1000 for k in ints if k.in_scheduler})
     budgets, unset = config.lane_budgets("a"), config.lane_budgets("unset")
-    for k in LANE_KNOBS:
+    for k in floats:
+        assert getattr(budgets, k.attr) == 0.25, k.key
+        assert getattr(unset, k.attr) == k.lane_default, f"an unset lane {k.key} is its lane default"
+    for k in ints:
         expected = {CAP_MIN: min(lane_value, 1000), CAP_REPLACE: lane_value}.get(k.cap, lane_value)
         assert getattr(budgets, k.attr) == expected, (k.key, k.cap)
         if k.scope == BOTH:

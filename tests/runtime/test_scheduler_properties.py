@@ -5,7 +5,10 @@ executor, which checks each chunk's block table and the pretend KV contents. Aft
 step: budgets hold, the pool's books balance (no block leaked or double-freed). At the end:
 every request finished or was rejected with a reason, all blocks are free, no successful
 request finished after its deadline, and no lane with work went unserved for longer than the
-starvation bound while other lanes were being served.
+starvation bound while other lanes were being served. Lanes may have KV shares
+(maxKvCacheShare, kvCacheReserved) and TPOT targets under the step-time budget: after every
+step no lane holds more than its cap, every unused reserve is free, and the per-lane block
+counts equal a recount; a lane held back by its own shares or watermark is not "starved".
 """
 
 from __future__ import annotations
@@ -55,6 +58,16 @@ def scenarios(draw):
             lane["maxWaitingRequests"] = draw(st.integers(1, 10))
         if draw(st.booleans()):
             lane["queueTimeoutMs"] = draw(st.integers(20, 400))
+        # KV shares (the three lanes' reserves add up to at most 0.9 < 1).
+        share = draw(st.sampled_from([None, 0.3, 0.5, 0.8]))
+        if share is not None:
+            lane["maxKvCacheShare"] = share
+        if draw(st.booleans()):
+            lane["kvCacheReserved"] = draw(st.sampled_from([0.1, 0.2, 0.3]))
+        # TPOT targets for the step-time budget: 5 ms is below the fake step (always capped).
+        tpot = draw(st.sampled_from([None, 5, 50]))
+        if tpot is not None:
+            lane["slo"] = {"tpotP95Ms": tpot}
         lanes.append(lane)
     high = draw(st.sampled_from([0.5, 0.8, 0.95]))
     config = make_config(
@@ -71,6 +84,7 @@ def scenarios(draw):
         kv_cache_high_watermark=high,
         kv_cache_reject_watermark=draw(st.sampled_from([high + 0.04, 1.0])),
         queue_timeout_ms=draw(st.integers(50, 5000)),
+        step_time_budget=draw(st.sampled_from(["off", "auto"])),
     )
     prefixes = [[7, 7, 7, 7, 7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     events = []  # per step: (arrivals, cancellations)
@@ -96,6 +110,38 @@ def scenarios(draw):
     return config, num_blocks, events
 
 
+def _held_back_by_its_shares(sched, name) -> bool:
+    """Whether the lane's head cannot start for its own KV shares or watermark."""
+    quotas = sched.quotas
+    if not quotas.active:
+        return False
+    lane = sched.lanes[name]
+    head = lane.peek()
+    if head is None:
+        return False
+    if sched.num_running and sched._above_watermark(name, sched.sched.kv_cache_high_watermark):
+        return True
+    chunk = min(head.num_tokens, lane.budgets.prefill_chunk_size)
+    return sched.kv.blocks_for_tokens(chunk) > quotas.room(name, sched.kv.num_free_blocks)
+
+
+def _check_kv_shares(sched) -> None:
+    """Quotas never exceeded, reserves never taken, block accounting exact (a recount)."""
+    quotas = sched.quotas
+    if not quotas.active:
+        return
+    held = {name: 0 for name in sched.lanes}
+    for r in sched.requests.values():
+        if r.status is RequestStatus.RUNNING:
+            held[r.lane] += len(r.block_ids)
+    assert held == {name: quotas.held.get(name, 0) for name in sched.lanes}
+    for name, n in held.items():  # an uncapped lane's shared prefix blocks may count past the pool
+        cap = quotas.cap[name]
+        assert cap >= quotas.num_blocks or n <= cap, f"lane {name} holds {n} blocks, over its cap {cap}"
+    unmet = sum(max(0, quotas.reserve[name] - held[name]) for name in held)
+    assert sched.kv.num_free_blocks >= unmet, "another lane took a reserve"
+
+
 def run_scenario(config, num_blocks, events):
     clock = Clock()
     ex = FakeExecutor(num_blocks, config.engine.block_size, vocab_size=1000, max_model_len=None,
@@ -114,9 +160,12 @@ def run_scenario(config, num_blocks, events):
             name: {r.request_id for r in lane.waiting_requests()} for name, lane in sched.lanes.items()
         }
         running_before = {name: lane.num_running for name, lane in sched.lanes.items()}
+        # A lane its own KV shares or watermark hold back is not starved by the others.
+        quota_blocked = {name: _held_back_by_its_shares(sched, name) for name in sched.lanes}
         outputs = engine.step()
         plan = ex.plans[-1] if ex.plans and engine.last_step_tokens else None
-        sched.check_invariants()
+        sched.check_invariants()  # with KV shares: held == recount, caps and reserves kept
+        _check_kv_shares(sched)
         # Budgets.
         assert sched.num_running <= config.scheduler.max_active_sequences
         per_lane_tokens = {name: 0 for name in sched.lanes}
@@ -143,6 +192,7 @@ def run_scenario(config, num_blocks, events):
                     waiting_before[name]
                     and running_before[name] < budgets.max_active_sequences
                     and per_lane_tokens[name] < budgets.max_batched_tokens
+                    and not quota_blocked[name]
                 )
                 others = any(v for k, v in started.items() if k != name)
                 if started[name] or not waiting_before[name]:

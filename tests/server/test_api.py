@@ -165,8 +165,8 @@ def test_seeded_sampling_and_stop_strings(shared_server, reference):
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-        ({"prompt": "x", "n": 2}, "n"),
-        ({"prompt": "x", "best_of": 2}, "best_of"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "x", "presence_penalty": "1"}, "presence_penalty"),  # strict: no str -> float
         ({"prompt": "x", "frequency_penalty": -2.01}, "frequency_penalty"),

@@ -110,8 +110,9 @@ tenants: [{name: team-a}]
     text = m.render().decode()
     for lane in ("a", "b"):
         for tenant in ("default", "team-a"):
-            assert (f'tokenlane_requests_total{{lane="{lane}",model="tiny",outcome="invalid",'
-                    f'reason="invalid_parameter",tenant="{tenant}"}} 0.0') in text
+            for endpoint in ("/v1/completions", "/v1/chat/completions"):
+                assert (f'tokenlane_requests_total{{endpoint="{endpoint}",lane="{lane}",model="tiny",'
+                        f'outcome="invalid",reason="invalid_parameter",tenant="{tenant}"}} 0.0') in text
     m.record_invalid("a", "team-a", "context_length_exceeded")
     m.record_invalid("made-up", "someone", "whatever the client sent")
     text = m.render().decode()

@@ -116,7 +116,8 @@ def test_sigusr1_dumps_steps_metrics_and_config(tiny_model_dir, tmp_path):
         assert sum(x["prefill_tokens"] for x in lane) == 3 and sum(x["decode_tokens"] for x in lane) == 2
         finished = [s.value for family in text_string_to_metric_families(document["metrics"])
                     for s in family.samples if s.name == "tokenlane_requests_total"
-                    and s.labels["outcome"] == "finished" and s.labels["reason"] == "max_tokens"]
+                    and s.labels["outcome"] == "finished" and s.labels["reason"] == "max_tokens"
+                    and s.labels["endpoint"] == "/v1/completions"]
         assert finished == [1.0]
         assert "servedName: tiny" in document["config"] and "executor: simulated" in document["config"]
         assert httpx.get(url + "/ready", timeout=5).status_code == 200  # still serving

@@ -243,7 +243,7 @@ def test_chat_logprobs_streaming_equals_non_streaming(client):
         ({"logprobs": 1}, "logprobs"),  # chat's logprobs is a boolean
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"n": 3}, "n"),
+        ({"best_of": 2}, "best_of"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"max_completion_tokens": "2"}, "max_completion_tokens"),
         ({"messages": [{"role": "user"}]}, "messages"),  # a user message needs content

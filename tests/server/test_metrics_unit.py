@@ -34,7 +34,7 @@ def value(metrics, name, **labels):
 
 
 def finished_request(status, detail="", tokens=5):
-    r = Request("r1", [1, 2, 3, 4], SamplingParams(max_tokens=8), lane="interactive", tenant="team-a",
+    r = Request("cmpl-r1", [1, 2, 3, 4], SamplingParams(max_tokens=8), lane="interactive", tenant="team-a",
                 arrival_time=100.0)
     r.first_scheduled_time = 100.5
     if tokens:

@@ -1,178 +1,21 @@
-"""The tuner in a closed loop with the real engine on the simulated executor (virtual clock).
-
-The engine runs its real scheduler, KV pool, lanes and admission with the benchmark's cost
-model (runtime/bench/simulator.py); every `interval_s` of virtual time the loop computes each
-lane's window numbers from the requests that finished in the window (what Prometheus would
-report from the runtime's histograms), asks the tuner, and hot-reloads the new budgets into
-the engine exactly as the runtime does after a ConfigMap change (`engine.reload_config`).
-"""
+"""Traffic for the tuner's closed-loop test; the loop itself is the package's
+(runtime/bench/tuned_sim.py, shared with `tokenlane plan`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
-from tokenlane.operator.tuner import decide
-from tokenlane.operator.tuner_types import (
-    Decision,
-    EffectiveBudgets,
-    LaneMetrics,
-    LaneTarget,
-    MetricSample,
-    TunerSettings,
-)
-from tokenlane.runtime.admission import AdmissionError
-from tokenlane.runtime.bench.sim import request_of
-from tokenlane.runtime.bench.simulator import SimulatedExecutor, VirtualClock
 from tokenlane.runtime.bench.trace import PlannedRequest
-from tokenlane.runtime.config import RuntimeConfig
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, RequestStatus
-from tuner_helpers import apply_budgets
+from tokenlane.runtime.bench.tuned_sim import OK_STATUSES, LoopResult, is_refused, run
 
-OK_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-FAILED_STATUSES = (RequestStatus.FINISHED_REJECTED, RequestStatus.FINISHED_TIMEOUT)
+__all__ = ["OK_STATUSES", "LoopResult", "flood_traffic", "run", "refused_share"]
 
 
-def p95(values: list[float]) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-
-
-class _Observer:
-    def __init__(self) -> None:
-        self.finished: list[tuple[float, Request]] = []  # (finish time, request)
-        self.preemptions = 0
-        self.max_kv = 0.0
-        self.clock = None
-
-    def on_step(self, stats) -> None:
-        self.preemptions += stats.num_preemptions
-        self.max_kv = max(self.max_kv, stats.kv_usage)
-
-    def on_request_finished(self, request: Request) -> None:
-        self.finished.append((request.finish_time if request.finish_time is not None else self.clock(), request))
-
-    def on_config_applied(self, config, ok, message) -> None:
-        pass
-
-
-@dataclass
-class Interval:
-    """One control interval: what the tuner saw and did."""
-
-    end_s: float
-    sample: MetricSample
-    decision: Optional[Decision]
-    budgets: EffectiveBudgets
-
-
-@dataclass
-class LoopResult:
-    intervals: list[Interval] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-    reloads: int = 0
-
-    def lane_p95_ms(self, lane: str, start_s: float, end_s: float, what: str = "ttft") -> Optional[float]:
-        """p95 over requests of `lane` that finished in [start_s, end_s)."""
-        values = []
-        for req in self.finished:
-            if req.lane != lane or req.status not in OK_STATUSES or not start_s <= req.finish_time < end_s:
-                continue
-            if what == "ttft" and req.first_token_time is not None:
-                values.append(req.first_token_time - req.arrival_time)
-            elif what == "tpot" and req.num_output_tokens > 1 and req.token_times:
-                values.append((req.token_times[-1] - req.first_token_time) / (req.num_output_tokens - 1))
-        v = p95(values)
-        return None if v is None else v * 1000.0
-
-
-def window_sample(obs: _Observer, engine: LLMEngine, lanes: Sequence[str], start: float, end: float,
-                  preemptions: int, max_kv: float) -> MetricSample:
-    """What the PromQL queries of operator/prometheus.py compute, from the finished requests."""
-    window = end - start
-    snapshot = engine.snapshot()
-    out = {}
-    for name in lanes:
-        done = [r for t, r in obs.finished if start <= t < end and r.lane == name]
-        ok = [r for r in done if r.status in OK_STATUSES]
-        failed = [r for r in done if r.status in FAILED_STATUSES]
-        ttft = [r.first_token_time - r.arrival_time for r in ok if r.first_token_time is not None]
-        tpot = [(r.token_times[-1] - r.first_token_time) / (r.num_output_tokens - 1)
-                for r in ok if r.num_output_tokens > 1 and r.token_times]
-        queue = [r.first_scheduled_time - r.arrival_time for r in ok if r.first_scheduled_time is not None]
-        lane_stats = snapshot.lanes.get(name)
-        out[name] = LaneMetrics(
-            request_rate=len(ok) / window,
-            ttft_p95_s=p95(ttft),
-            tpot_p95_s=p95(tpot),
-            queue_delay_p95_s=p95(queue),
-            rejection_rate=len(failed) / window,
-            waiting=float(lane_stats.waiting) if lane_stats else 0.0,
-            throughput_tokens_s=sum(r.num_output_tokens for r in ok) / window,
-        )
-    return MetricSample(window, out, kv_usage=max_kv, preemption_rate=preemptions / window, at=end)
-
-
-def run(
-    config: RuntimeConfig,
-    requests: list[PlannedRequest],
-    lanes: Sequence[LaneTarget],
-    settings: TunerSettings,
-    *,
-    tune: bool,
-    interval_s: float,
-    end_s: float,
-) -> LoopResult:
-    """Replay `requests` until `end_s` of virtual time, tuning every `interval_s` if `tune`."""
-    clock = VirtualClock()
-    engine = LLMEngine(config, SimulatedExecutor(config, clock=clock), clock=clock)
-    obs = _Observer()
-    obs.clock = clock
-    engine.add_observer(obs)
-    pending = deque(sorted(requests, key=lambda p: p.arrival_s))
-    result = LoopResult()
-    budgets = EffectiveBudgets.from_config(config)
-    history: list = []
-    lane_names = [lane.name for lane in lanes]
-    next_tick, last_preempt, tick_kv = interval_s, 0, 0.0
-
-    while clock.now < end_s:
-        while pending and pending[0].arrival_s <= clock.now:
-            planned = pending.popleft()
-            req = request_of(planned, engine.config)
-            try:
-                engine.add_request(req)
-            except AdmissionError:
-                pass  # the observer saw it as rejected
-        if clock.now >= next_tick:
-            preempts = obs.preemptions - last_preempt
-            sample = window_sample(obs, engine, lane_names, next_tick - interval_s, clock.now, preempts,
-                                   max(obs.max_kv, tick_kv))
-            last_preempt, obs.max_kv = obs.preemptions, 0.0
-            decision = None
-            if tune:
-                decision = decide(lanes, settings, budgets, sample, history, clock.now)
-                history = (history + [decision.record()])[-50:]
-                if decision.changed:
-                    budgets = decision.budgets
-                    engine.reload_config(apply_budgets(engine.config, budgets))
-                    result.reloads += 1
-            result.intervals.append(Interval(clock.now, sample, decision, budgets))
-            next_tick += interval_s
-        if engine.has_unfinished_requests():
-            before = clock.now
-            engine.step()
-            if clock.now == before:  # nothing could run (e.g. waiting for blocks): let time pass
-                clock.advance(0.001)
-        else:
-            clock.advance_to(min(pending[0].arrival_s if pending else end_s, next_tick))
-    result.finished = [r for _, r in obs.finished]
-    return result
+def refused_share(result: LoopResult, lane: str, start_s: float, end_s: float) -> float:
+    """Share of `lane`'s requests finished in [start_s, end_s) that were refused or timed out
+    (by the rule the operator reads Prometheus with)."""
+    done = [r for r in result.finished if r.lane == lane and start_s <= r.finish_time < end_s]
+    return sum(1 for r in done if is_refused(r)) / len(done) if done else 0.0
 
 
 def flood_traffic(*, seconds: float, interactive_rps: float, flood_start_s: float, flood_rps: float,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 
 import pytest
 import yaml
@@ -352,3 +353,47 @@ async def test_user_edit_wins_over_the_tuner_override(guarded_cluster):
         await advance(cluster, 61)
         assert runtime_yaml(cluster).lane("batch").max_batched_tokens <= 256
     assert cluster.obj("servinglanes", "tiny-batch")["spec"]["budgets"]["maxBatchedTokens"] == 256
+
+
+async def test_no_decision_on_a_bad_window(guarded_cluster):
+    """The tuner does not decide in the run that rolls a revision back, nor on a window that
+    spans the rollback; the change it was evaluating when the revision changed is inconclusive
+    (never credited with what the rollback did)."""
+    cluster = guarded_cluster
+    await start_stable(cluster, _samples(cluster, tuning={"enabled": True, "window": "120s", "bounds": {
+        "maxActiveSequences": {"min": 2, "max": 16}, "maxBatchedTokens": {"min": 128, "max": 512}}}))
+    missing = dataclasses.replace(sample(ttft_ms=2000, queue_ms=1500), window_s=120.0)
+    cluster.metrics.sample = missing
+    st = await advance(cluster)
+    assert st["tuning"]["lastDecision"]["action"] == "adjust"
+    experiment = st["tuning"]["history"][-1]["at"]
+    tuned = st["overrides"]
+
+    # A bad spec change: verifying it makes the experiment inconclusive (the window no longer measures it).
+    await cluster.patch_spec("modelservices", "tiny", {"scheduler": {"prefillChunkSize": 512}})
+    await wait(cluster, lambda: runtime_yaml(cluster).scheduler.prefill_chunk_size == 512, what="new chunk size")
+    st = await advance(cluster)
+    assert st["rollout"]["phase"] == "Verifying"
+    last = st["tuning"]["history"][-1]
+    assert (last["action"], last["judged"], last["verdict"]) == ("hold", experiment, "inconclusive")
+    await advance(cluster)
+    st = await advance(cluster, 121)
+
+    # The run that rolls back: no decision from the bad revision's window.
+    assert st["rollout"]["phase"] == "RolledBack"
+    assert st["tuning"]["lastDecision"]["action"] == "hold"
+    assert st["tuning"]["lastDecision"]["reason"].startswith("holding budgets: rolling back revision")
+    assert cluster.condition("modelservices", "tiny", "Tuning")["reason"] == "RollingBack"
+    assert st["overrides"] == tuned
+
+    # The next run's 120 s window still holds the bad revision: hold again.
+    st = await advance(cluster)
+    assert st["tuning"]["lastDecision"]["action"] == "hold"
+    assert "spans the change" in st["tuning"]["lastDecision"]["reason"]
+    assert cluster.condition("modelservices", "tiny", "Tuning")["reason"] == "SettlingWindow"
+    assert st["overrides"] == tuned
+
+    # A whole window on the last-known-good: the tuner decides again, and never credited itself.
+    st = await advance(cluster)
+    assert st["tuning"]["lastDecision"]["action"] == "adjust", st["tuning"]["lastDecision"]
+    assert not [r for r in st["tuning"]["history"] if r.get("judged") == experiment and r["verdict"] != "inconclusive"]

@@ -3,9 +3,7 @@ and the runtime.yaml adapters that drive the tuner against a runtime without an 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from tokenlane.operator.tuner_types import (
     Bounds,
@@ -15,7 +13,6 @@ from tokenlane.operator.tuner_types import (
     MetricSample,
     TunerSettings,
 )
-from tokenlane.runtime.config import CAP_MIN, RuntimeConfig, knob
 
 INTERACTIVE_BOUNDS = {
     "maxBatchedTokens": Bounds(512, 8192),
@@ -126,25 +123,5 @@ class Plant:
 # own config, the way the operator runs it against a ModelService (operator/tuning.py).
 
 
-def lane_targets(config: RuntimeConfig, bounds: Mapping[str, Mapping[str, Bounds]]) -> list[LaneTarget]:
-    """LaneTargets from a RuntimeConfig's lanes (SLOs, class, priority) and declared bounds,
-    capped at the global budget as the operator caps them."""
-    def lane_bounds(name: str) -> dict:
-        return {key: b.capped_at(getattr(config.scheduler, knob(key).attr)) if knob(key).cap == CAP_MIN else b
-                for key, b in bounds.get(name, {}).items()}
-    return [
-        LaneTarget(lane.name, lane.lane_class, lane.priority, lane.slo.ttft_p95_ms, lane.slo.tpot_p95_ms,
-                   lane_bounds(lane.name))
-        for lane in config.lanes
-    ]
-
-
-def apply_budgets(config: RuntimeConfig, budgets: EffectiveBudgets) -> RuntimeConfig:
-    """A RuntimeConfig with the budgets written as lane caps and global knobs (validated)."""
-    lanes = []
-    for lane in config.lanes:
-        changes = {knob(key).attr: int(v) for key, v in budgets.lanes.get(lane.name, {}).items()}
-        lanes.append(dataclasses.replace(lane, **changes) if changes else lane)
-    changes = {knob(key).attr: float(v) for key, v in budgets.global_.items()}
-    sched = dataclasses.replace(config.scheduler, **changes) if changes else config.scheduler
-    return dataclasses.replace(config, lanes=lanes, scheduler=sched)
+# Both live in the package, shared with `tokenlane plan` (runtime/bench/tuned_sim.py).
+from tokenlane.runtime.bench.tuned_sim import apply_budgets, lane_targets  # noqa: E402,F401  (re-exported)

@@ -1,0 +1,87 @@
+"""The autoscaling timer and the router render, with kopf against the kmock emulator: the timer
+scales the shared pool's Deployment within the bounds, never writes spec, holds when metrics
+go away, and gives the replicas back to spec.replicas when turned off. (The same on a real API
+server, with the scale subresource and managed fields: tests/cluster/test_fleet_on_api_server.py.)
+The fleet's metrics come from a reader the test sets: the fleet KV usage it returns drives
+the decisions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from operator_harness import NS, running_cluster, spec_writes  # tests/operator, put on sys.path by conftest
+
+from tokenlane.operator import k8s
+from tokenlane.operator.autoscaler import FleetSample
+
+AUTOSCALING = {"enabled": True, "prometheusUrl": "http://prometheus.invalid:9090", "minReplicas": 1,
+               "maxReplicas": 3, "interval": "1s", "scaleDown": {"stabilizationWindow": "1h"}}
+
+
+class FleetMetrics:
+    """The metrics reader of the autoscaling timer: KV usage as the test sets it, or none."""
+
+    def __init__(self) -> None:
+        self.kv_usage: float | None = 0.95  # x1.27 of the 0.75 target: one replica more per decision
+        self.reads: list[str] = []
+
+    async def __call__(self, url, model, window_s, targets_s, *, namespace, at) -> FleetSample:
+        self.reads.append(model)
+        if self.kv_usage is None:
+            return FleetSample.unavailable(at, "Prometheus is down (test)")
+        return FleetSample(at=at, window_s=window_s, kv_usage=self.kv_usage)
+
+
+@pytest.fixture
+async def scaled(kmock):
+    metrics = FleetMetrics()
+
+    def use_test_metrics(registry, op):
+        op.autoscaling.read_sample = metrics
+
+    async with running_cluster(kmock, setup=use_test_metrics) as cluster:
+        cluster.metrics = metrics
+        yield cluster
+
+
+def replicas(cluster, name="tiny") -> int:
+    return (cluster.obj("deployments", name) or {}).get("spec", {}).get("replicas")
+
+
+async def mark_ready(cluster, ready: int, name: str = "tiny") -> None:
+    await cluster.client.merge_patch(k8s.DEPLOYMENTS, NS, name,
+                                     {"status": {"replicas": ready, "readyReplicas": ready}}, subresource="status")
+
+
+async def test_timer_scales_the_deployment_and_never_the_spec(scaled, tiny_samples, kmock):
+    msvc = copy.deepcopy(tiny_samples[0])
+    msvc["spec"].update(replicas=1, autoscaling=AUTOSCALING, router={"enabled": True})
+    await scaled.create(msvc)
+    await scaled.wait_for(lambda: scaled.obj("deployments", "tiny-router"), what="the router Deployment")
+    service = await scaled.wait_for(lambda: scaled.obj("services", "tiny-router"), what="the router Service")
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    # kmock runs no pods: no replica gets ready, and the decision waits for them.
+    await scaled.wait_for(lambda: "awaiting 2 starting replica" in
+                          scaled.obj("modelservices", "tiny")["status"]["autoscaling"]["message"],
+                          timeout=90, what="a hold for the replica still starting")
+    assert replicas(scaled) == 2
+    await mark_ready(scaled, 2)  # the kubelet's part: both pods pass their readiness probe
+    await scaled.wait_for(lambda: replicas(scaled) == 3, timeout=90, what="scaled up to maxReplicas")
+    status = scaled.obj("modelservices", "tiny")["status"]["autoscaling"]
+    assert status["desiredReplicas"] == 3 and status["lastScaleTime"]
+    assert scaled.metrics.reads and set(scaled.metrics.reads) == {"tiny"}
+    assert scaled.obj("modelservices", "tiny")["spec"]["replicas"] == 1
+    assert spec_writes(kmock) == []
+
+    scaled.metrics.kv_usage = None  # metrics gone: the decision holds, and says why
+    await scaled.wait_for(lambda: scaled.obj("modelservices", "tiny")["status"]["autoscaling"]["reason"]
+                          == "MetricsUnavailable", timeout=30, what="a hold on missing metrics")
+    assert replicas(scaled) == 3
+
+    await scaled.patch_spec("modelservices", "tiny", {"autoscaling": {"enabled": False}, "router": {"enabled": False}})
+    await scaled.wait_for(lambda: replicas(scaled) == 1, what="spec.replicas back in force")
+    await scaled.wait_for(lambda: "autoscaling" not in scaled.obj("modelservices", "tiny")["status"], timeout=30,
+                          what="status.autoscaling dropped")
+    await scaled.wait_for(lambda: scaled.obj("deployments", "tiny-router") is None, what="the router removed")
+    assert spec_writes(kmock) == []
