@@ -6,7 +6,7 @@ Inputs are plain values (no Kubernetes, no HTTP): the policy (bounds, stabilizat
 per-lane targets), the replicas running now, one window of fleet metrics (from Prometheus or a
 simulation), the recent recommendations (kept in status, so the function needs no memory of
 its own) and the time. The output is the desired replica count, why, and the history to store.
-It is not wired into the operator yet (docs/fleet.md says what is built).
+The operator calls it on a timer for each ModelService with spec.autoscaling (operator/scaling.py).
 
 Rules:
   1. Bounds first: the answer is always in [minReplicas, maxReplicas].
@@ -17,8 +17,13 @@ Rules:
   3. Each decision makes one recommendation:
      - Any target violated by more than `tolerance` (a lane's queue delay p95 above its
        target, a lane's SLO attainment below its target, or fleet KV usage above the target)
-       -> scale up in proportion to the worst overload: ceil(current x ratio), at least one
-       replica more, at most max(2 x current, current + 4) (the step HPA allows by default).
+       -> scale up in proportion to the worst overload: ceil(ready x ratio), at least one
+       replica more than are ready, at most max(2 x current, current + 4) (the step HPA
+       allows by default). Only ready replicas produced the measurements, so only they are
+       scaled by the ratio; replicas still starting count towards the answer, so a
+       recommendation they already cover adds nothing (as HPA treats unready pods). While
+       replicas are starting, only KV usage (which grows in proportion to the load) may add
+       more: a latency ratio then measures a backlog that grows until they are ready.
      - Every lane comfortably inside its targets (queue delay at most `comfort` x target,
        attainment at or above target) -> the size that brings KV usage back to its target:
        ceil(current x kvUsage / kvTarget), never below half the current count per decision.
@@ -114,6 +119,8 @@ class FleetSample:
     window_s: float
     lanes: Mapping[str, LaneSample] = field(default_factory=dict)
     kv_usage: Optional[float] = None  # average KV usage ratio over the replicas
+    # Replicas that served the window (ready ones). None: unknown, all `current` count as ready.
+    ready_replicas: Optional[int] = None
     available: bool = True
     error: str = ""  # why not available
 
@@ -239,13 +246,36 @@ def scale_down_limit(current: int) -> int:
     return math.ceil(current / 2)
 
 
+def ready_of(current: int, sample: FleetSample) -> int:
+    """The replicas whose load the sample measured: the ready ones, at most `current`."""
+    if sample.ready_replicas is None:
+        return current
+    if sample.ready_replicas < 0:
+        raise ValueError(f"ready replicas must be >= 0, got {sample.ready_replicas}")
+    return min(current, sample.ready_replicas)
+
+
 def _recommend(policy: AutoscalingPolicy, current: int, sample: FleetSample) -> tuple[int, str]:
     signals, comfortable = _signals(policy, sample)
-    base = max(current, 1)
+    ready = ready_of(current, sample)
+    base = max(ready, 1)
     over = [s for s in signals if s.ratio > 1.0 + policy.tolerance]
     if over:
-        worst = max(over, key=lambda s: s.ratio)
-        wanted = policy.clamp(max(current + 1, math.ceil(base * worst.ratio)))
+        starting = current - ready
+
+        def wants(signal: _Signal) -> int:
+            wanted = policy.clamp(max(ready + 1, math.ceil(base * signal.ratio)))
+            if starting and not signal.what.startswith("KV usage"):
+                # A latency ratio measures the backlog, which grows until the starting
+                # replicas are ready, not the capacity that is missing: it waits for them.
+                return min(wanted, current)
+            return wanted
+
+        worst = max(over, key=lambda s: (wants(s), s.ratio))
+        wanted = wants(worst)
+        if starting and wanted <= current:  # the starting replicas cover it: add nothing
+            return policy.clamp(current), (f"{worst.what} is x{worst.ratio:.2f} of target on {ready} ready; "
+                                           f"awaiting {starting} starting replica(s)")
         limited = min(wanted, scale_up_limit(current))
         step = "" if limited == wanted else f", one step is limited to {limited}"
         return policy.clamp(limited), f"{worst.what} is x{worst.ratio:.2f} of target{step}"

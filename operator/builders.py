@@ -123,6 +123,7 @@ def _lane_dict(lane: ServingLane, overrides: Overrides, *, dedicated_pool: bool)
         "weight": spec["weight"],
         # A dedicated pool serves exactly this lane: everything it receives lands here.
         "default": True if dedicated_pool else bool(spec.get("default")),
+        **({"continuousBatching": spec["continuousBatching"]} if "continuousBatching" in spec else {}),
         **caps,
         "slo": spec.get("slo") or {},
         "match": {} if dedicated_pool else spec.get("match") or {},
@@ -140,7 +141,7 @@ def _tenant_dicts(msvc: ModelService, pool_lanes: list[str]) -> list[dict[str, A
         if default_lane not in pool_lanes or (allowed and default_lane not in allowed):
             default_lane = None
         tenant = {"name": t["name"], "apiKeySha256": t.get("apiKeySha256"), "defaultLane": default_lane,
-                  "lanes": allowed}
+                  "lanes": allowed, "weight": t.get("weight"), "tokensPerMinute": t.get("tokensPerMinute")}
         out.append({k: v for k, v in tenant.items() if v is not None})
     return out
 

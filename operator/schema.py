@@ -284,6 +284,10 @@ def model_service_spec() -> dict:
             "defaultLane": _str("Lane of requests that name none.", max_length=63),
             "lanes": {"type": "array", "description": "Allowed lanes (laneName); empty = all.", "maxItems": 64,
                       "items": {"type": "string", "maxLength": 63}},
+            "weight": _num("Fair share of a lane's new requests among its waiting tenants (tokens served / weight); "
+                           "unset = 1.", minimum=0, maximum=1000, exclusive_minimum=True),
+            "tokensPerMinute": _int("Token-rate limit, prompt + output tokens per minute; over it requests get 429 "
+                                    "tenant_rate_limit with Retry-After. Unset = unlimited.", minimum=1),
         }, required=["name"]),
     }
     return _obj(
@@ -505,6 +509,9 @@ def serving_lane_spec() -> dict:
             "weight": _num("Fair share of the token budget among lanes of equal priority.", default=1.0, minimum=0,
                            maximum=1000, exclusive_minimum=True),
             "default": _bool("Requests matching no rule go to this lane (at most one per ModelService).", default=False),
+            "continuousBatching": _bool(
+                "false = static batching for this lane only: its requests start as a fresh batch once its previous "
+                "batch has finished; the other lanes keep continuous batching (hot-reloaded). Unset: true."),
             "budgets": budgets,
             "slo": _obj("Latency targets (95th percentile, milliseconds) and the availability target.", {
                 "ttftP95Ms": _num("Time to first token.", minimum=0, exclusive_minimum=True),

@@ -22,11 +22,15 @@ judged on its own):
      A lane misses its TTFT target because requests queue -> additive increase of its token
      and sequence budgets, multiplicative decrease of a lane with slack (batch first).
      A TTFT miss without queueing -> bigger prefill chunks for it, smaller for the donor.
+     A TTFT miss while the KV pool is above the high watermark (no prefill starts there) ->
+     first the KV shares: a larger kvCacheReserved for the lane, a smaller maxKvCacheShare
+     for the first lower-priority donor.
   6. A lane misses TPOT -> a decode waits for the whole step, so the first donor's tokens
      per step and prefill chunk shrink (its running set too when KV usage is high: KV reads
      dominate decode steps), the other donors' chunks shrink; then the lane's own chunks.
-  7. Every lane comfortably inside its SLO and work is queueing -> probe one knob upward for
-     throughput (additive increase).
+  7. Every lane comfortably inside its SLO -> relax the KV shares (a lane's reserve down,
+     protected lanes first) while the pool is below the high watermark; then, where work is
+     queueing, probe one knob upward for throughput (additive increase; maxKvCacheShare too).
 Hysteresis: a lane misses above its target, and counts as having slack only below
 `comfort_ratio` x target; in between nothing moves. Values are always clamped into the
 declared bounds; a knob without declared bounds is never touched; no step moves a knob by
@@ -199,6 +203,10 @@ def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: Metric
                 return moved
         if not (r.get("ttft", 0.0) > 1.0 or r.get("tpot", 0.0) > 1.0):
             continue  # only refusals, and no knob could move for them
+        if r.get("ttft", 0.0) > 1.0 and r.get("ttft", 0.0) >= r.get("tpot", 0.0):
+            moved = _protect_kv_share(lane, m, donors, sample, plan)
+            if moved is not None:
+                return moved
         if r.get("ttft", 0.0) >= r.get("tpot", 0.0):
             ttft_ms = m.ttft_p95_s * 1000.0
             queue_ms = (m.queue_delay_p95_s or 0.0) * 1000.0
@@ -248,6 +256,12 @@ def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: Metric
         return HOLD, "all lanes within SLO (inside the hysteresis band: no change)"
     if not settings.probe:
         return HOLD, "all lanes within SLO with headroom (probing disabled)"
+    high = plan.budgets.get(GLOBAL, "kvCacheHighWatermark")
+    if kv is None or high is None or kv < high:
+        why = "all lanes have SLO headroom and the KV pool is below the high watermark: relaxing KV shares"
+        for lane in reversed(_donor_order(lanes)):  # protected lanes hold reserves: they give first
+            if plan.step(lane.name, "kvCacheReserved", -1, why):
+                return PROBE, f"{why} (kvCacheReserved of {lane.name})"
     backlog = [
         lane for lane in _donor_order(lanes)
         if (m := metrics[lane.name]) is not None and (m.rejection_rate > 0 or m.waiting >= 1.0)
@@ -257,7 +271,7 @@ def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: Metric
     preempting = sample.preemption_rate > 0
     for lane in backlog:
         why = f"all lanes have SLO headroom and {lane.name} has queued work: probing for throughput"
-        for knob in ("maxBatchedTokens", "maxActiveSequences"):
+        for knob in ("maxBatchedTokens", "maxActiveSequences", "maxKvCacheShare"):
             if plan.step(lane.name, knob, +1, why):
                 return PROBE, f"{why} ({knob})"
     if not preempting and plan.step(GLOBAL, "kvCacheHighWatermark", +1, "probing for throughput: no preemptions"):
@@ -295,6 +309,30 @@ def _fix_refusals(lane: LaneTarget, m: LaneMetrics, donors: Sequence[LaneTarget]
     if grown:
         return ADJUST, f"{why}: more {'/'.join(grown)} for {lane.name}"
     return None
+
+
+def _protect_kv_share(lane: LaneTarget, m: LaneMetrics, donors: Sequence[LaneTarget], sample: MetricSample,
+                     plan: "_Planner") -> Optional[tuple[str, str]]:
+    """Moves for a TTFT miss while the KV pool is above the high watermark, or None.
+
+    Above it no prefill starts, except in a lane inside its kvCacheReserved, so the lane waits
+    for other lanes' sequences to finish: reserve one step more of the pool for it, and cap the
+    first lower-priority donor's maxKvCacheShare one step lower (its blocks come back as its
+    sequences end; the reserve preempts the rest by recompute)."""
+    high = plan.budgets.get(GLOBAL, "kvCacheHighWatermark")
+    kv = sample.kv_usage
+    if kv is None or high is None or kv < high:
+        return None
+    why = (f"{lane.name} TTFT p95 {m.ttft_p95_s * 1000.0:.0f}ms > {lane.ttft_p95_ms:.0f}ms with KV usage "
+           f"{kv:.2f} above the high watermark {high:.2f}")
+    parts = []
+    if plan.step(lane.name, "kvCacheReserved", +1, why):
+        parts.append(f"more kvCacheReserved for {lane.name}")
+    for donor in donors:
+        if donor.priority < lane.priority and plan.step(donor.name, "maxKvCacheShare", -1, why):
+            parts.append(f"less maxKvCacheShare for {donor.name}")
+            break
+    return (ADJUST, f"{why}: {' and '.join(parts)}") if parts else None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -471,6 +509,17 @@ class _Planner:
             batched = self.budgets.get(scope, "maxBatchedTokens")
             if batched is not None and batched < bounds.max:
                 return Bounds(min(bounds.min, batched), batched)
+        if knob == "kvCacheReserved":
+            # A lane keeps no more than it may hold, and the reserves leave some pool shared.
+            share = self.budgets.get(scope, "maxKvCacheShare")
+            others = sum(self.budgets.get(name, "kvCacheReserved") or 0.0 for name in self.lanes if name != scope)
+            hi = min(bounds.max, 1.0 if share is None else share, round(1.0 - others - STEP[knob], 4))
+            if hi < bounds.max:
+                return Bounds(min(bounds.min, hi), hi)
+        if knob == "maxKvCacheShare":
+            reserved = self.budgets.get(scope, "kvCacheReserved")
+            if reserved is not None and reserved > bounds.min:
+                return Bounds(min(reserved, bounds.max), bounds.max)
         return bounds
 
     def step(self, scope: str, knob: str, direction: int, why: str) -> bool:

@@ -390,7 +390,7 @@ async def _guard(op: Any, run: _Run, out: _Outcome) -> rollout.RolloutDecision:
         # The failing revision's pods dump their flight recorders before the LKG replaces them.
         dumped = await dumps.dump_runtimes(run.spec_tuning.get("prometheusUrl"), run.msvc.namespace,
                                            run.desired.shared.config.model.name, f"rollback of revision {run.revision}")
-        out.events.append(("Warning", "RolledBack", f"{guard.message} {dumped}"))
+        out.events.append(("Warning", "RolledBack", f"{guard.message.rstrip('.')}. {dumped}" if dumped else guard.message))
         out.conditions.append(status_mod.condition("RolledBack", True, guard.reason, guard.message))
         out.reconcile = True
     elif guard.action == rollout.FALLBACK_ACTION:

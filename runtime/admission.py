@@ -9,6 +9,8 @@ Checked when a request is submitted, before it enters a lane's queue:
 - 503 `kv_watermark` KV cache usage at or above kvCacheRejectWatermark
 - 429 `deadline`   the request's deadline cannot be met even if it were served at once, at the
                    step times measured recently (a lower bound, never a guess)
+- 429 `tenant_rate_limit` the tenant's tokensPerMinute budget does not hold the prompt now;
+                   Retry-After: the seconds until it does (tenant_limits.py)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenlane.runtime.request import Request
+from tokenlane.runtime.tenant_limits import TenantRateLimiter
 
 
 class AdmissionError(Exception):
@@ -168,3 +171,17 @@ def check_load(
                 f"{request.sampling_params.max_tokens} at the current pace, "
                 f"{left * 1000:.0f} ms are left",
             )
+
+
+def check_tenant_rate(request: Request, limiter: TenantRateLimiter, now: float) -> None:
+    """429 `tenant_rate_limit` when the tenant's token bucket cannot pay the prompt now (the
+    caller charges the prompt once the request is admitted)."""
+    wait = limiter.retry_after(request.tenant, request.num_prompt_tokens, now)
+    if wait is not None:
+        raise AdmissionError(
+            429,
+            "tenant_rate_limit",
+            f"tenant {request.tenant!r} is over its token rate ({limiter.limit_of(request.tenant)} tokens "
+            f"per minute, prompt + output); {request.num_prompt_tokens} prompt tokens fit again in {wait:.1f} s",
+            wait,
+        )

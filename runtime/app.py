@@ -92,8 +92,50 @@ def _openapi_document(app: FastAPI) -> dict[str, Any]:
     components = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
+    _declare_validation_rules(schema, getattr(app.state.tokenlane, "vocab_size", None))
     app.openapi_schema = schema
     return schema
+
+
+def _declare_validation_rules(schema: dict[str, Any], vocab_size: Optional[int]) -> None:
+    """Rules the validators enforce that FastAPI's document does not show, so that a request
+    valid under the document is one the server accepts (schemathesis checks both ways)."""
+    components = schema["components"]["schemas"]
+
+    def token_ids(items: dict[str, Any]) -> None:
+        if vocab_size is not None:
+            items["maximum"] = vocab_size - 1
+
+    # A prompt (and each prompt of a batch) is non-empty; token ids are in the vocabulary.
+    for variant in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        if variant["type"] == "string":
+            variant["minLength"] = 1
+            continue
+        variant["minItems"] = 1
+        inner = variant["items"]
+        if inner.get("type") == "array":
+            inner["minItems"] = 1
+            inner = inner["items"]
+        if inner.get("type") == "string":
+            inner["minLength"] = 1
+        else:
+            token_ids(inner)
+    token_ids(components["DetokenizeRequest"]["properties"]["tokens"]["items"])
+    # Only an assistant turn may come without content; a tool turn names its call.
+    components["ChatMessage"]["allOf"] = [
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}},
+        {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}},
+    ]
+    # /tokenize takes exactly one of prompt and messages.
+    components["TokenizeRequest"]["oneOf"] = [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]
+    for parameter in schema["paths"]["/debug/dump"]["post"].get("parameters", []):
+        if parameter["name"] == "reason":  # (and printable, which a JSON Schema pattern cannot say)
+            parameter["schema"].update(minLength=1, maxLength=MAX_DUMP_REASON_CHARS)
 
 
 # --------------------------------------------------------------------------- the app

@@ -43,8 +43,11 @@ from tokenlane.runtime.protocol import (
     ChatMessageOut,
     CompletionChoice,
     CompletionResponse,
+    FunctionCall,
+    ToolCall,
     Usage,
 )
+from tokenlane.runtime.structured_output import GrammarCompiler, parse_tool_call, tool_call_schema
 from tokenlane.runtime.request import FinishReason, Request, SamplingParams, SequenceGroup, sequence_seed
 from tokenlane.runtime.router import Caller, choose_lane, parse_deadline_ms
 from tokenlane.runtime.sse import DONE_EVENT, ClientGone, EventStreamResponse, sse_event, until_disconnect
@@ -74,11 +77,14 @@ class _Want:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     logprobs: Optional[int] = None  # top-k per generated token (chat: top_logprobs); None = off
     prompt_logprobs: Optional[int] = None  # vLLM's extension; None = off
+    # Chat: the tools whose calls the output may hold (tool_choice other than "none").
+    tools: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, body, chat: bool) -> "_Want":
         if chat:
-            return cls(logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+            tools = body.tool_dicts() if body.effective_tool_choice != "none" else []
+            return cls(logprobs=(body.top_logprobs or 0) if body.logprobs else None, tools=tools)
         return cls(echo=body.echo, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
 
     @property
@@ -144,9 +150,11 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
         raise APIError(400, "best_of > n ranks by logprobs, which need the model executor (this server "
                        "runs the simulated one)", code="invalid_parameter", param="best_of")
     engine_logprobs = 0 if ranks_by_logprob and want.logprobs is None else want.logprobs
+    grammar = _grammar(state, body, chat)
     if chat:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompts: list[tuple[list[int], Optional[str]]] = [(state.codec.encode_chat(messages), None)]
+        messages = [m.template_dict() for m in body.messages]
+        tools = body.tool_dicts() if body.tools else None
+        prompts: list[tuple[list[int], Optional[str]]] = [(state.codec.encode_chat(messages, tools=tools), None)]
     else:
         batch = body.prompts
         prompts = []
@@ -202,6 +210,7 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
                 logit_bias=logit_bias,
                 min_p=body.min_p,
                 min_tokens=body.min_tokens,
+                grammar=grammar,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_parameter") from None
@@ -223,6 +232,35 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
         if len(group) > 1:
             SequenceGroup.of(group)
     return jobs
+
+
+def _grammar(state: ServerState, body, chat: bool):
+    """The compiled grammar the output must follow (response_format, guided_json, or a tool
+    call forced by tool_choice), or None."""
+    schema, param = body.output_schema, "guided_json" if body.guided_json is not None else "response_format"
+    if chat and body.forced_tool_call is not None:
+        choice = body.forced_tool_call
+        schema = tool_call_schema(body.tool_dicts(), None if choice == "required" else choice.function.name)
+        param = "tools"
+    if schema is None:
+        return None
+    if not state.supports_logprobs or state.codec.tokenizer is None:
+        raise APIError(400, "structured output needs the model executor (this server runs the simulated one)",
+                       code="invalid_parameter", param=param)
+    try:
+        return GrammarCompiler.of(state.codec.tokenizer, state.vocab_size).json_schema(schema)
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_parameter", param=param) from None
+
+
+def _chat_message(text: str, finish: Optional[str], tools: list) -> tuple[ChatMessageOut, Optional[str]]:
+    """The assistant message of a generated text: a tool call when all of the text is one
+    (of `tools`), with finish_reason "tool_calls"; else the text."""
+    call = parse_tool_call(text, tools) if tools and finish == "stop" else None
+    if call is None:
+        return ChatMessageOut(content=text), finish
+    tool_call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(**call))
+    return ChatMessageOut(content=None, tool_calls=[tool_call]), "tool_calls"
 
 
 def _abort_jobs(jobs: list[_Job], why: str) -> None:
@@ -356,8 +394,8 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
             logprobs = None
             if want.logprobs is not None:
                 logprobs = {"content": chat_logprobs_content(texts, want.logprobs, new_lps)}
-            choices.append(ChatChoice(index=job.index, message=ChatMessageOut(content=text),
-                                      logprobs=logprobs, finish_reason=reason))
+            message, reason = _chat_message(text, reason, want.tools)
+            choices.append(ChatChoice(index=job.index, message=message, logprobs=logprobs, finish_reason=reason))
             continue
         logprobs = None
         ids, lps = new_ids, new_lps
@@ -518,6 +556,9 @@ async def _chat_events(state, jobs, want: _Want, model, created, include_usage, 
 
     for job in jobs:
         yield chunk(job.index, {"role": "assistant", "content": ""}, None)
+    # With tools the text may be a tool call, known only at its end: held back, then sent as
+    # one content delta or one tool_calls delta (OpenAI's chunk shape).
+    held: dict[int, tuple[list[str], list]] = {job.index: ([], []) for job in jobs} if want.tools else {}
     async for job, out in _merged(jobs, synthetic):
         usage.add(job, out)
         err = _stream_error(out)
@@ -526,6 +567,22 @@ async def _chat_events(state, jobs, want: _Want, model, created, include_usage, 
             _abort_jobs(jobs, "batch_failed")
             break
         with_lp = want.logprobs is not None and bool(out.new_token_ids)
+        if held:
+            texts_so_far, lps_so_far = held[job.index]
+            texts_so_far.append(out.new_text)
+            lps_so_far += out.new_logprobs or []
+            if not out.finished:
+                continue
+            message, reason = _chat_message("".join(texts_so_far), _finish_reason(out.finish_reason), want.tools)
+            lp = ({"content": chat_logprobs_content(texts, want.logprobs, lps_so_far)}
+                  if want.logprobs is not None else None)
+            if message.tool_calls:
+                delta = {"tool_calls": [{"index": 0, **c.model_dump()} for c in message.tool_calls]}
+            else:
+                delta = {"content": message.content}
+            yield chunk(job.index, delta, None, lp)
+            yield chunk(job.index, {}, reason)
+            continue
         if out.new_text or with_lp:
             lp = {"content": chat_logprobs_content(texts, want.logprobs, out.new_logprobs or [])} if with_lp else None
             yield chunk(job.index, {"content": out.new_text}, None, lp)

@@ -419,6 +419,9 @@ class LaneConfig:
     queue_timeout_ms: Optional[int] = None
     max_kv_cache_share: Optional[float] = None
     kv_cache_reserved: Optional[float] = None
+    # false = static batching for this lane only: its requests start as a fresh batch once
+    # the lane's previous batch has finished (the other lanes keep continuous batching).
+    continuous_batching: bool = True
     slo: SLOConfig = field(default_factory=SLOConfig)
     match: LaneMatch = field(default_factory=LaneMatch)
 
@@ -461,21 +464,32 @@ class LaneConfig:
 
 @dataclass(frozen=True)
 class TenantConfig:
-    """A team calling the API: its key (stored as a SHA-256 hex digest) and allowed lanes."""
+    """A team calling the API: its key (stored as a SHA-256 hex digest), allowed lanes, its
+    fair share inside a lane and an optional token-rate limit."""
 
     name: str
     api_key_sha256: Optional[str] = None
     default_lane: Optional[str] = None
     lanes: list[str] = field(default_factory=list)  # allowed lanes; empty = all
+    # Share of a lane's new starts among its waiting tenants (lanes.py); unset = 1 (left
+    # unset so configs that do not use it render as before).
+    weight: Optional[float] = None
+    tokens_per_minute: Optional[int] = None  # prompt + output tokens; over it: 429 tenant_rate_limit
 
     def __post_init__(self) -> None:
         _check(bool(_NAME_RE.match(self.name)), "name", f"{self.name!r} is not a DNS-1123 label")
+        _positive(self.weight, "weight")
+        _positive(self.tokens_per_minute, "tokensPerMinute")
         if self.api_key_sha256 is not None:
             _check(
                 bool(_SHA256_RE.match(self.api_key_sha256)),
                 "apiKeySha256",
                 "must be 64 lowercase hex characters (sha256 of the key)",
             )
+
+    @property
+    def fair_share_weight(self) -> float:
+        return 1.0 if self.weight is None else self.weight
 
 
 @dataclass(frozen=True)

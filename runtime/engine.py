@@ -30,11 +30,13 @@ from tokenlane.runtime.admission import (
     StepTimeEstimator,
     check_load,
     check_request_shape,
+    check_tenant_rate,
 )
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.plan import Executor, ExecutorOutput, StepPlan
 from tokenlane.runtime.request import FinishReason, Request, RequestStatus, TokenLogprob
 from tokenlane.runtime.scheduler import Scheduler
+from tokenlane.runtime.tenant_limits import TenantRateLimiter
 from tokenlane.runtime.stats import EngineObserver, LaneStepStats, StepStats
 
 log = logging.getLogger(__name__)
@@ -202,6 +204,8 @@ class LLMEngine:
         self.limits = AdmissionLimits(self.max_model_len, executor.num_kv_blocks, executor.block_size,
                                       self.vocab_size)
         self.estimator = StepTimeEstimator()
+        self.tenant_limits = TenantRateLimiter(config.tenants, clock())
+        self._set_tenant_weights(config)
         self.observers: list[EngineObserver] = []
         self._lock = threading.Lock()  # guards the staged changes below
         self._staged: list[Request] = []
@@ -328,6 +332,9 @@ class LLMEngine:
                 estimator=self.estimator,
                 now=self.clock(),
             )
+            now = self.clock()
+            check_tenant_rate(request, self.tenant_limits, now)
+            self.tenant_limits.charge(request.tenant, request.num_prompt_tokens, now)  # once per group
             request.status = RequestStatus.WAITING
             self._staged.append(request)
             self._staged_ids.add(rid)
@@ -410,6 +417,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._ends_known_at = self.clock()
         got_token = self.scheduler.update_from_output(plan, output)
+        self._charge_output_tokens(got_token)
         schedule_seconds = (t1 - t0) + (time.perf_counter() - t2)
         outputs = self._outputs(got_token)
         self.last_step_tokens = plan.num_batched_tokens
@@ -426,6 +434,8 @@ class LLMEngine:
             if config is not None:
                 scheduler.apply_config(config)
                 self.config = config
+                self.tenant_limits.configure(config.tenants, self.clock())
+                self._set_tenant_weights(config)
                 self.max_model_len = scheduler.max_model_len = self._max_model_len(config)
                 self.limits = dataclasses.replace(self.limits, max_model_len=self.max_model_len)
             queued = self._queued_since_step
@@ -446,6 +456,21 @@ class LLMEngine:
             if request is not None and not request.is_finished:
                 self._cancelled_at[request_id] = asked_at
                 scheduler.finish_request(request, status, detail)
+
+    def _set_tenant_weights(self, config: RuntimeConfig) -> None:
+        weights = {tenant.name: tenant.fair_share_weight for tenant in config.tenants}
+        for lane in self.scheduler.lanes.values():
+            lane.set_tenant_weights(weights)
+
+    def _charge_output_tokens(self, got_token: list[Request]) -> None:
+        """Output tokens count against their tenant's rate limit and fair share as produced."""
+        now = self.clock()
+        lanes, limits = self.scheduler.lanes, self.tenant_limits
+        for request in got_token:
+            limits.charge(request.tenant, 1, now)
+            lane = lanes.get(request.lane)
+            if lane is not None:
+                lane.charge_tenant(request.tenant, 1)
 
     def _execute(self, plan: StepPlan) -> ExecutorOutput:
         if not plan.chunks:
@@ -677,6 +702,13 @@ class LLMEngine:
             lane = lanes.get(name)
             if lane is not None:
                 lane.started = count
+        for name, blocks in self.scheduler.kv_blocks_held().items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.kv_blocks_held = blocks
+        if self.scheduler.sched.step_time_budget == "auto":
+            for name, lane in lanes.items():
+                lane.time_capped = self.scheduler.time_capped_last_step(name)
         for observer in self.observers:
             try:
                 observer.on_step(stats)
@@ -687,8 +719,13 @@ class LLMEngine:
         """Current KV and queue occupancy (no step numbers)."""
         scheduler = self.scheduler
         kv, quotas = scheduler.kv, scheduler.quotas
+        held = quotas.held
         lanes = {
-            name: LaneStepStats(running=lane.num_running, waiting=scheduler.num_waiting_in(name))
+            name: LaneStepStats(
+                running=lane.num_running,
+                waiting=scheduler.num_waiting_in(name),
+                kv_blocks_held=held.get(name, 0),  # the engine's step report recounts
+            )
             for name, lane in scheduler.lanes.items()
         }
         with self._lock:

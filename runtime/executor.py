@@ -24,6 +24,7 @@ from tokenlane.runtime.model import AttentionMetadata, CausalLM, kv_cache_bytes_
 from tokenlane.runtime.plan import ExecutorOutput, ScheduledChunk, StepPlan
 from tokenlane.runtime.request import TokenLogprob
 from tokenlane.runtime.sampler import Sampler, make_generator
+from tokenlane.runtime.structured_output import GrammarMatchers
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class ModelExecutor:
         ]
         self.sampler = Sampler(self.device, seed=config.engine.seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars = GrammarMatchers()  # structured output: a matcher per constrained request
 
     # ---- KV pool sizing
 
@@ -178,6 +180,7 @@ class ModelExecutor:
         t0 = time.perf_counter()
         for request in plan.finished:
             self.generators.pop(request.request_id, None)
+            self.grammars.release(request.request_id)
         output = ExecutorOutput()
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
@@ -333,7 +336,10 @@ class ModelExecutor:
             params = [c.request.sampling_params for c in sampled_chunks]
             generators = [self._generator(c) for c in sampled_chunks]
             histories = [c.request for c in sampled_chunks]
-            tokens = self.sampler(logits[:num_sampled], params, generators, histories)
+            # Constrained rows get their grammar's mask; on a copy when logprobs read the raw logits.
+            copy = any(p.logprobs is not None for p in params)
+            sample_logits = self.grammars.masked(logits[:num_sampled], histories, copy=copy)
+            tokens = self.sampler(sample_logits, params, generators, histories)
             for c, token in zip(sampled_chunks, tokens):
                 output.sampled[c.request.request_id] = token
         want = [j for j, c in enumerate(sampled_chunks) if c.request.sampling_params.logprobs is not None]

@@ -85,6 +85,7 @@ EXPECTED_OUTCOMES = (
     ("rejected", "kv_watermark"),
     ("rejected", "deadline"),
     ("rejected", "draining"),
+    ("rejected", "tenant_rate_limit"),
     ("error", "oom"),
     ("error", "other"),
 )
@@ -189,6 +190,12 @@ class PrometheusMetrics:
             registry=r,
         )
         self.preemptions = Counter(PREFIX + "preemptions", "Requests preempted (recompute).", ["model"], registry=r)
+        self.tenant_throttled = Counter(
+            PREFIX + "tenant_throttled",
+            "Requests refused because their tenant was over its tokensPerMinute (429 tenant_rate_limit).",
+            ["model", "tenant"],
+            registry=r,
+        )
         self.prefix_queries = Counter(
             PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model"], registry=r
         )
@@ -204,6 +211,18 @@ class PrometheusMetrics:
 
         self.running = Gauge(PREFIX + "requests_running", "Sequences in the running set.", lane, registry=r)
         self.waiting = Gauge(PREFIX + "requests_waiting", "Requests in the lane queue.", lane, registry=r)
+        self.lane_kv_blocks = Gauge(
+            PREFIX + "lane_kv_blocks",
+            "KV block-table entries held by the lane's running requests (shared prefix blocks count per holder).",
+            lane,
+            registry=r,
+        )
+        self.time_capped_steps = Counter(
+            PREFIX + "time_capped_steps",
+            "Steps in which the step-time budget (stepTimeBudget: auto) shortened or skipped the lane's work.",
+            lane,
+            registry=r,
+        )
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio", "Used / total KV blocks (0..1).", ["model"], registry=r)
         self.kv_free = Gauge(PREFIX + "kv_blocks_free", "Free KV blocks.", ["model"], registry=r)
         self.kv_total = Gauge(PREFIX + "kv_blocks_total", "KV blocks in the pool.", ["model"], registry=r)
@@ -259,6 +278,8 @@ class PrometheusMetrics:
                 _remove(self.slo_target, m, gone, slo)
             _remove(self.running, m, gone)
             _remove(self.waiting, m, gone)
+            _remove(self.lane_kv_blocks, m, gone)
+            _remove(self.time_capped_steps, m, gone)
             _remove(self.prefill_tokens, m, gone)
             _remove(self.decode_tokens, m, gone)
         tenants = ["default"] + [t.name for t in config.tenants]
@@ -276,6 +297,8 @@ class PrometheusMetrics:
             # Every lane's series exist from the start (at zero), so rate() and absent() work.
             self.running.labels(m, name)
             self.waiting.labels(m, name)
+            self.lane_kv_blocks.labels(m, name)
+            self.time_capped_steps.labels(m, name)
             self.prefill_tokens.labels(m, name)
             self.decode_tokens.labels(m, name)
             for hist in (self.ttft, self.tpot, self.e2e, self.queue_delay, self.prefill_time, self.decode_time,
@@ -288,6 +311,8 @@ class PrometheusMetrics:
                     for outcome, reason in EXPECTED_OUTCOMES:
                         self.requests.labels(m, name, tenant, endpoint, outcome, reason)
                     self.requests.labels(m, name, tenant, endpoint, "invalid", INVALID_REASONS[0])
+        for tenant in tenants:
+            self.tenant_throttled.labels(m, tenant)
         self._lanes = lanes
         self._tenants = set(tenants)
         self.kv_watermark.labels(m, "high").set(config.scheduler.kv_cache_high_watermark)
@@ -326,6 +351,8 @@ class PrometheusMetrics:
                     self.prefill_tokens.labels(m, name).inc(lane.prefill_tokens)
                 if lane.decode_tokens:
                     self.decode_tokens.labels(m, name).inc(lane.decode_tokens)
+                if lane.time_capped:
+                    self.time_capped_steps.labels(m, name).inc()
         for name, seconds in stats.kv_releases:
             self.kv_release.labels(m, name if name in lanes else UNKNOWN_LABEL).observe(seconds)
         self.set_occupancy(stats)
@@ -344,6 +371,7 @@ class PrometheusMetrics:
             lane = stats.lanes.get(name)
             self.running.labels(m, name).set(lane.running if lane else 0)
             self.waiting.labels(m, name).set(lane.waiting if lane else 0)
+            self.lane_kv_blocks.labels(m, name).set(lane.kv_blocks_held if lane else 0)
 
     def on_request_finished(self, request: Request) -> None:
         m, lane, tenant = self.model, request.lane, request.tenant
@@ -353,6 +381,8 @@ class PrometheusMetrics:
         reason = request.finish_reason or FinishReason.ERROR
         outcome = OUTCOME_OF_FINISH[reason]
         self.requests.labels(m, lane, tenant, endpoint_label(request.request_id), outcome, reason_label(request)).inc()
+        if outcome == "rejected" and request.finish_detail == "tenant_rate_limit":
+            self.tenant_throttled.labels(m, tenant).inc()
         if outcome == "rejected":
             return  # never admitted: no tokens, no latencies
         if request.first_scheduled_time is not None:

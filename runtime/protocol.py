@@ -3,32 +3,47 @@
 (Streaming chunks are built as plain dicts in server.py, on the hot path.)
 
 Pydantic models only (no engine logic). Requests accept what OpenAI's API accepts for the
-features we implement; parameters we do not implement (tools...) are refused
+features we implement; parameters we do not implement (suffix...) are refused
 with a 400 whose `param` names them rather than silently ignored, so a client never gets a
 different answer from the one it asked for. Unknown fields are ignored, as OpenAI-compatible
 servers do.
 
 Types are strict: no bool -> int and no string -> number coercion (`"max_tokens": "3"` and
-`"prompt": [[false]]` are 400s); an integer is accepted where a number is.
+`"prompt": [[false]]` are 400s); an integer is accepted where a number is, and an integral
+number (`3.0`) where an integer is, as JSON Schema's `integer` (the OpenAPI document) says.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
-    StrictInt,
     StrictStr,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
+
+
+def _integer_not_bool_or_text(value: Any) -> Any:
+    """JSON Schema's `integer`, as the OpenAPI document declares it: 3 and 3.0 are the same
+    number (both accepted), 3.5, true and "3" are not integers (400)."""
+    if isinstance(value, (bool, str, bytes)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+StrictInt = Annotated[int, BeforeValidator(_integer_not_bool_or_text)]
 
 INT32_MAX = 2**31 - 1
 # Stop strings are matched on every token's text (cost grows with their length).
@@ -100,6 +115,66 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def _check_json_schema(schema: Any, param: str, where: str) -> None:
+    """A 400 naming `param` unless `schema` is a JSON Schema object (Draft 2020-12)."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise ParamError(param, f"{where} must be a JSON Schema object")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ParamError(param, f"{where} is not a valid JSON Schema: {exc.message}") from None
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(min_length=1, max_length=64)
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    description: Optional[StrictStr] = None
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON of a schema. The
+    output is constrained by a grammar either way (runtime/structured_output.py); `strict`
+    is accepted and always honoured."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ParamError("response_format", "response_format of type json_schema needs json_schema")
+            if self.json_schema.schema_ is None:
+                self.json_schema.schema_ = {"type": "object"}
+            _check_json_schema(self.json_schema.schema_, "response_format", "response_format.json_schema.schema")
+        return self
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+
+def _response_format(value):
+    """Parse response_format with its errors reported under param response_format."""
+    if value is None or isinstance(value, ResponseFormat):
+        return value
+    if not isinstance(value, dict):
+        raise ParamError("response_format", "response_format must be an object")
+    try:
+        return ResponseFormat.model_validate(value)
+    except ParamError:
+        raise
+    except ValueError as exc:
+        raise ParamError("response_format", f"invalid response_format: {exc}") from None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -134,6 +209,26 @@ class _SamplingFields(BaseModel):
     # Completions only (chat refuses it): sample best_of sequences, return the n with the
     # highest cumulative logprob.
     best_of: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_PARALLEL_SEQUENCES)
+    # Structured output: the output follows a grammar (runtime/structured_output.py).
+    response_format: Optional[Any] = None
+    guided_json: Optional[Any] = None  # vLLM's extension: a JSON Schema the output follows
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format_field(cls, value):
+        return _response_format(value)
+
+    @field_validator("guided_json", mode="before")
+    @classmethod
+    def _guided_json(cls, value):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ParamError("guided_json", "guided_json must be a JSON Schema (an object or its JSON text)")
+        if value is not None:
+            _check_json_schema(value, "guided_json", "guided_json")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -165,7 +260,26 @@ class _SamplingFields(BaseModel):
     def _unsupported(self):
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        if self.guided_json is not None and self.response_format is not None and self.response_format.constrained:
+            raise ParamError("guided_json", "give response_format or guided_json, not both")
+        if self.output_schema is not None:
+            # The grammar decides where the output ends: EOS must stay drawable once it is complete.
+            if self.ignore_eos:
+                raise ParamError("ignore_eos", "ignore_eos cannot be combined with structured output")
+            if self.min_tokens:
+                raise ParamError("min_tokens", "min_tokens cannot be combined with structured output")
         return self
+
+    @property
+    def output_schema(self) -> Optional[dict[str, Any]]:
+        """The JSON Schema the output must follow (json_object: any object), or None."""
+        if self.guided_json is not None:
+            return self.guided_json
+        if self.response_format is None or not self.response_format.constrained:
+            return None
+        if self.response_format.type == "json_object":
+            return {"type": "object"}
+        return self.response_format.json_schema.schema_
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -231,6 +345,13 @@ class CompletionRequest(_SamplingFields):
         return [value]
 
 
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        raise ParamError("messages", f"tool call arguments must be JSON, got {arguments[:80]!r}") from None
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -238,19 +359,99 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    arguments: StrictStr  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A tool call of an assistant turn (in the history, and in our answers)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON Schema of the arguments object
+    strict: Optional[StrictBool] = None
+
+    @model_validator(mode="after")
+    def _valid(self):
+        if not FUNCTION_NAME.match(self.name):
+            raise ParamError("tools", f"function name {self.name!r} must be 1-64 of a-z, A-Z, 0-9, _ and -")
+        if self.parameters is not None:
+            _check_json_schema(self.parameters, "tools", f"the parameters of function {self.name!r}")
+        return self
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    class Name(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+
+        name: StrictStr
+
+    type: Literal["function"]
+    function: Name
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[list[ToolCall]] = None  # assistant turns
+    tool_call_id: Optional[StrictStr] = None  # tool turns: the call this is the result of
 
     @model_validator(mode="after")
     def _content_required(self):
         # Only an assistant turn may come without content (OpenAI: when it has tool calls).
         if self.content is None and self.role != "assistant":
             raise ParamError("messages", f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ParamError("messages", "only an assistant message may have tool_calls")
+        for call in self.tool_calls or []:
+            _arguments_object(call.function.arguments)  # a 400 here, not in the template
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ParamError("messages", "a tool message needs tool_call_id")
         return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (tool calls' arguments as objects, as the
+        Hugging Face templates expect them)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -268,20 +469,26 @@ class ChatCompletionRequest(_SamplingFields):
     # Each generated token's logprob, and top_logprobs most likely tokens per position.
     logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = Field(default=None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
 
     @model_validator(mode="after")
     def _unsupported_chat(self):
         if self.best_of not in (None, 1):
             raise ParamError("best_of", "best_of is only supported on /v1/completions")
+        if self.tool_choice is not None and not self.tools:
+            raise ParamError("tool_choice", "tool_choice is only allowed with tools")
         if self.tools:
-            raise ParamError("tools", "tools are not supported")
-        if self.tool_choice is not None:
-            raise ParamError("tool_choice", "tool_choice is only allowed with tools, which are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ParamError("response_format", "response_format other than text is not supported")
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) != len(names):
+                raise ParamError("tools", "function names must be unique")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ParamError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, "
+                                 "which is not one of the tools")
+            if self.forced_tool_call and self.output_schema is not None:
+                raise ParamError("response_format", "response_format cannot be combined with a forced tool call")
+            if self.forced_tool_call and (self.ignore_eos or self.min_tokens):
+                raise ParamError("tool_choice", "ignore_eos and min_tokens cannot be combined with a forced tool call")
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         return self
@@ -293,6 +500,22 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
+
+    @property
+    def forced_tool_call(self) -> Optional[Union[str, NamedToolChoice]]:
+        """tool_choice when it forces a tool call (required or a named function), else None."""
+        choice = self.effective_tool_choice
+        return choice if choice == "required" or isinstance(choice, NamedToolChoice) else None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
 
 class TokenizeRequest(BaseModel):
@@ -373,7 +596,8 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):

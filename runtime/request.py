@@ -91,6 +91,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens under min_p x the top token's probability; 0 = off
     min_tokens: int = 0  # EOS and stop_token_ids are not drawn before this many tokens
+    # A compiled grammar (runtime/structured_output.py) the output must follow; None = free.
+    grammar: Optional[object] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         low = 0 if self.prompt_logprobs is not None else 1

@@ -18,7 +18,9 @@ Every step re-selects the working set from scratch:
    Lanes are served by priority, then by weighted fair share (the lane with the smallest
    `tokens served / weight` first); a lane that had startable work but got nothing for
    `starvation_steps` steps in a row goes first once, so no lane with work starves.
-   Inside a lane: earliest deadline, then request priority, then arrival.
+   Inside a lane: weighted fair share among its tenants (the tenant with the fewest tokens
+   served / weight first, runtime/lanes.py), then earliest deadline, request priority and
+   arrival within a tenant.
    A starting request takes the longest cached prefix of its tokens from the prefix cache,
    except the positions whose logits it needs for prompt logprobs (it computes those).
 
@@ -37,7 +39,10 @@ looser lanes' decodes may skip a step within their own target.
 
 `continuousBatching: false` (static batching): a batch of up to maxActiveSequences waiting
 requests is picked when the previous batch has completely finished, and no other request
-starts until every member of the batch has finished.
+starts until every member of the batch has finished. On a lane (lane key
+`continuousBatching: false`) the same holds per lane: when the lane's running set has drained,
+the requests then waiting (up to the lane's maxActiveSequences) form its next batch, and its
+later arrivals wait for the batch after; the other lanes keep continuous batching.
 """
 
 from __future__ import annotations
@@ -108,6 +113,11 @@ class Scheduler:
         self._batch_waiting: deque[Request] = deque()
         # Per-lane count of `_batch_waiting`, readable from other threads without iterating.
         self._batch_waiting_per_lane: dict[str, int] = {}
+        # Per-lane static batching: lane -> [arrival seq the batch opened at, starts left],
+        # and the arrival seq of each queued request of such a lane (unknown = older).
+        self._lane_batches: dict[str, list[int]] = {}
+        self._static_lane_arrivals: dict[str, int] = {}
+        self._arrival_seq = itertools.count()
         # Requests finished since the last plan: the executor drops their state.
         self._finished_for_executor: list[Request] = []
         # Requests finished since the engine last drained them (engine emits final outputs).
@@ -146,6 +156,11 @@ class Scheduler:
                 lane.reconfigure(lane_config, budgets)
             lanes[lane.name] = lane
         self.lanes = lanes  # one assignment: readers on other threads see old or new, whole
+        self._lane_batches = {
+            name: batch
+            for name, batch in self._lane_batches.items()
+            if name in lanes and not lanes[name].config.continuous_batching
+        }
         default = lanes[config.default_lane.name]
         for gone in old.values():  # lanes removed by the reload
             for request in gone.waiting_requests():
@@ -181,6 +196,23 @@ class Scheduler:
         n = lane.num_waiting if lane is not None else 0
         return n + self._batch_waiting_per_lane.get(lane_name, 0)
 
+    def time_capped_last_step(self, lane_name: str) -> bool:
+        """Whether the step-time budget shortened or skipped the lane's work in the step
+        planned last."""
+        lane = self.lanes.get(lane_name)
+        return lane is not None and lane.last_capped_step == self._step_index - 1
+
+    def kv_blocks_held(self) -> dict[str, int]:
+        """KV block-table entries held per lane (engine thread: a recount without KV shares,
+        whose books are only kept exact while shares are in force)."""
+        if self.quotas.active:
+            return dict(self.quotas.held)
+        held = dict.fromkeys(self.lanes, 0)
+        for request in self.running:
+            if request.status is RUNNING:
+                held[request.lane] = held.get(request.lane, 0) + len(request.block_ids)
+        return held
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -193,7 +225,10 @@ class Scheduler:
         request.status = WAITING
         self.requests[request.request_id] = request
         if not request.awaits_fork:  # a follower starts with its leader (_start_unforked_followers)
-            self.lanes[request.lane].push(request)
+            lane = self.lanes[request.lane]
+            lane.push(request)
+            if not lane.config.continuous_batching:
+                self._static_lane_arrivals[request.request_id] = next(self._arrival_seq)
         if request.deadline is not None:
             deadlines = self._deadlines
             heapq.heappush(deadlines, (request.deadline, next(self._rank_seq), request))
@@ -220,6 +255,7 @@ class Scheduler:
             except ValueError:
                 pass
         self._batch.discard(request.request_id)
+        self._static_lane_arrivals.pop(request.request_id, None)
         self.kv.free(request)
         request.finish(status, detail, now=self.clock())
         del self.requests[request.request_id]
@@ -430,6 +466,9 @@ class Scheduler:
             self._count_batch_waiting(request.lane, 1)
         else:
             lane.push(request)
+            batch = self._lane_batches.get(lane.name)
+            if batch is not None:  # a member of the lane's batch: it restarts within the batch
+                batch[1] += 1
         if request.group is not None and not request.group.forked:
             self._stop_unforked_followers(request)
 
@@ -464,6 +503,9 @@ class Scheduler:
                 candidates.remove(lane)  # above its high watermark: none of its prefills start
                 continue
             request = lane.peek()
+            if not lane.config.continuous_batching and not self._joins_lane_batch(lane, request):
+                candidates.remove(lane)  # static lane: its batch is full or still running
+                continue
             if self.quotas.active and self.exceeds_lane_capacity(request):
                 # Its lane's shares can never hold it (the shares changed since admission).
                 self.finish_request(request, RequestStatus.FINISHED_REJECTED, "too_long")
@@ -482,6 +524,9 @@ class Scheduler:
                 break  # not enough free blocks: stop starting (head-of-line, no skipping)
             scheduled.add(request.request_id)
             started.add(lane.name)
+            if not lane.config.continuous_batching:
+                self._lane_batches[lane.name][1] -= 1
+                self._static_lane_arrivals.pop(request.request_id, None)
             token_budget -= n
             lane.vtime += n / lane.config.weight
             lane.served_tokens += n
@@ -497,6 +542,27 @@ class Scheduler:
                 if lane.name not in started and lane.num_waiting and lane.tokens_left > 0:
                     lane.starved_steps += 1
         return token_budget
+
+    # ---- per-lane static batching (lane key continuousBatching: false)
+
+    def _joins_lane_batch(self, lane: Lane, request: Request) -> bool:
+        """Whether the head of a static lane may start now: it joins the lane's open batch
+        (queued before the batch opened, with starts left). A batch opens once the lane's
+        running set has drained; its starts are the requests then waiting, up to the lane's
+        maxActiveSequences (a preempted member gives its start back)."""
+        batch = self._lane_batches.get(lane.name)
+        arrival = self._static_lane_arrivals.get(request.request_id, -1)
+        if lane.num_running == 0 and (batch is None or batch[1] <= 0 or arrival >= batch[0]):
+            batch = [next(self._arrival_seq), min(lane.num_waiting, lane.budgets.max_active_sequences)]
+            self._lane_batches[lane.name] = batch
+        return batch is not None and batch[1] > 0 and arrival < batch[0]
+
+    def _lane_batch_closed(self, lane: Lane) -> bool:
+        """A static lane whose running batch takes no more requests (its queue waits)."""
+        if lane.config.continuous_batching or not lane.num_running:
+            return False
+        batch = self._lane_batches.get(lane.name)
+        return batch is None or batch[1] <= 0
 
     # ---- KV shares of the lanes (kv_quotas.py)
 
@@ -585,7 +651,12 @@ class Scheduler:
         lanes = self.lanes
         top = max((lanes[r.lane].config.priority for _, r in running_prefills), default=-1)
         for lane in lanes.values():
-            if lane.num_waiting and lane.config.priority > top and lane.num_running < lane.budgets.max_active_sequences:
+            if (
+                lane.num_waiting
+                and lane.config.priority > top
+                and lane.num_running < lane.budgets.max_active_sequences
+                and not self._lane_batch_closed(lane)
+            ):
                 top = lane.config.priority
         return top
 
@@ -921,6 +992,7 @@ class Scheduler:
 
     def _finish_removed(self, request: Request, status: RequestStatus, detail: str) -> None:
         """Finish a request already taken out of its lane's queue."""
+        self._static_lane_arrivals.pop(request.request_id, None)
         self.kv.free(request)
         request.finish(status, detail, now=self.clock())
         del self.requests[request.request_id]

@@ -51,6 +51,14 @@ async def until_disconnect(awaitable, receive: Callable):
         for task in (work, gone):
             if not task.done():
                 task.cancel()
+            # A gather cancelled here may still end with an exception: retrieve it, so asyncio
+            # does not log "exception was never retrieved".
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class EventStreamResponse(Response):

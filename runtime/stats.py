@@ -22,6 +22,8 @@ class LaneStepStats:
     queued: int = 0  # requests admission control let into the lane queue since the last step
     started: int = 0  # waiting requests the scheduler started running in the step
     preempted: int = 0  # running requests of this lane preempted in the step
+    kv_blocks_held: int = 0  # KV block-table entries of this lane's running requests
+    time_capped: bool = False  # the step-time budget shortened or skipped this lane's work in the step
 
 
 @dataclass

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import zlib
 from typing import Any, Optional
 
@@ -60,12 +61,24 @@ class TextCodec:
             return self.synthetic_text(token_ids)
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, tools: Optional[list[dict]] = None) -> list[int]:
+        """Token ids of a conversation. `tools` (OpenAI function tools) go to the template's
+        own `tools` variable when it uses one; otherwise they are described in a system
+        message (tools_system_prompt), and the history's tool calls are written as the JSON
+        the model is asked to produce."""
+        uses_tools = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if uses_tools and not self.template_takes_tools:
+            messages = self.messages_without_tool_support(messages, tools or [])
+            tools = None
         if self.tokenizer is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return self._synthetic(text + ("assistant: " if add_generation_prompt else ""))
         try:
+            if tools:
+                text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt)
+                return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
             return list(tokenizer_lib.apply_chat_template(self.tokenizer, messages,
                                                           add_generation_prompt=add_generation_prompt,
                                                           add_special_tokens=add_special_tokens))
@@ -74,3 +87,43 @@ class TextCodec:
         except Exception as exc:  # jinja errors raised by the checkpoint's own template
             raise APIError(400, f"the chat template failed on these messages: {exc}",
                            code="chat_template_error", param="messages") from None
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the checkpoint's chat template renders a `tools` variable itself."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
+    @staticmethod
+    def tools_system_prompt(tools: list[dict]) -> str:
+        functions = [t["function"] for t in tools]
+        return (
+            "You can call these functions:\n" + json.dumps(functions) + "\n"
+            'To call one, reply with only a JSON object {"name": <function name>, "arguments": <its arguments>}.'
+        )
+
+    @classmethod
+    def messages_without_tool_support(cls, messages: list[dict[str, Any]], tools: list[dict]) -> list[dict]:
+        """The conversation for a template that knows nothing of tools: the tools described
+        in the system message, assistant tool calls as their JSON text, tool results as
+        "tool" turns naming their call."""
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                calls = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                         for c in m.pop("tool_calls")]
+                m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+            if m["role"] == "tool":
+                m["content"] = f"[result of {m.pop('tool_call_id', '')}] {m['content']}"
+            m.pop("tool_call_id", None)
+            m.pop("name", None)
+            out.append(m)
+        if not tools:
+            return out
+        prompt = cls.tools_system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+        return out

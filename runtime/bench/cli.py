@@ -6,8 +6,9 @@
     tokenlane bench compare --config runtime.yaml --traffic traffic.yaml \\
         --phase continuous --phase static:engine.continuousBatching=false
     tokenlane bench report --steps steps.jsonl
+    tokenlane bench fleet --scenario routing    # or: --scenario burst / ramp (autoscaler vs fixed sizes)
 
-`run`, `simulate` and `compare` print the table (and ratios between phases) and write
+`run`, `simulate`, `compare` and `fleet` print the table (and ratios between phases) and write
 <out>/<stem>.json and <out>/<stem>.png; `report` draws flight recorder steps (docs/operations.md)
 as a timeline PNG. Traffic comes from a YAML spec (keys of trace.TrafficSpec) or the flags.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import json
 import sys
 import time
@@ -25,7 +27,7 @@ from typing import Any, Optional
 
 import yaml
 
-from tokenlane.runtime.bench import report
+from tokenlane.runtime.bench import report, scenarios
 from tokenlane.runtime.bench.trace import LaneMix, TrafficSpec, build_requests, load_spec
 
 
@@ -149,7 +151,6 @@ def _slos_from_file(path: str) -> dict[str, report.LaneSLO]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from tokenlane.runtime.bench import scenarios
     from tokenlane.runtime.bench.sim import simulate
 
     t0 = time.perf_counter()
@@ -209,6 +210,146 @@ def format_pairs(summaries: dict[str, dict], pairs: list[tuple[str, str]]) -> st
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- fleet
+
+
+def _fleet_phases(args: argparse.Namespace):
+    """(experiment, config) for `bench fleet`: a named experiment, or --config + traffic flags."""
+    from tokenlane.runtime.bench import fleet_sim
+
+    if args.scenario:
+        kwargs: dict[str, Any] = {}
+        if args.time_scale is not None:
+            kwargs["time_scale"] = args.time_scale
+        if args.duration_set:
+            kwargs["duration_s"] = args.duration
+        if args.seed is not None:
+            kwargs["seed"] = args.seed
+        experiment = fleet_sim.FLEET_EXPERIMENTS[args.scenario](**kwargs)
+    else:
+        traffic = build_requests(spec_from_args(args))
+        experiment = fleet_sim.FleetExperiment(
+            name="fleet", title="simulated fleet", traffic=traffic, system_prompts=fleet_sim.SystemPrompts(),
+            replicas=4, policies=fleet_sim.POLICIES)
+    if args.config:
+        from tokenlane.runtime.config import RuntimeConfig
+
+        data = yaml.safe_load(Path(args.config).read_text())
+        data.setdefault("engine", {})["executor"] = "simulated"
+        config = RuntimeConfig.from_dict(data)
+    else:
+        config = fleet_sim.fleet_config()
+    prompts = experiment.system_prompts
+    overrides = {k: v for k, v in (("count", args.system_prompts), ("tokens", args.system_prompt_tokens),
+                                   ("share", args.system_prompt_share), ("zipf", args.system_prompt_zipf))
+                 if v is not None}
+    if overrides:
+        prompts = fleet_sim.SystemPrompts(**{**dataclasses.asdict(prompts), **overrides})
+    changes: dict[str, Any] = {"system_prompts": prompts}
+    if args.replicas is not None:
+        changes["replicas"] = args.replicas
+    if args.policy is not None:
+        changes["policies"] = fleet_sim.POLICIES if args.policy == "both" else (args.policy,)
+    if args.autoscale is not None:
+        changes["autoscale"] = args.autoscale
+    if args.min_replicas is not None:
+        changes["min_replicas"] = args.min_replicas
+    if args.max_replicas is not None:
+        changes["max_replicas"] = args.max_replicas
+    if args.fixed_sizes is not None:
+        changes["fixed_sizes"] = tuple(int(x) for x in args.fixed_sizes.split(",") if x.strip())
+    return dataclasses.replace(experiment, **changes), config
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from tokenlane.runtime import fleet_pick
+    from tokenlane.runtime.bench import fleet_sim
+
+    t0 = time.perf_counter()
+    experiment, config = _fleet_phases(args)
+    affinity = fleet_pick.PickPolicy(affinity_slack=args.affinity_slack)
+    runs: list[tuple[str, Any]] = []
+
+    def run(name: str, policy: str, replicas: int, autoscale=None) -> None:
+        result = fleet_sim.simulate_fleet(config, experiment.traffic, name=name, replicas=replicas, policy=policy,
+                                          system_prompts=experiment.system_prompts, autoscale=autoscale,
+                                          affinity=affinity)
+        runs.append((name, result))
+        if not args.no_progress:
+            print(f"  {name}: done ({time.perf_counter() - t0:.0f} s wall so far)", file=sys.stderr)
+
+    if experiment.autoscale:
+        if len(experiment.policies) != 1:
+            raise ValueError("--autoscale runs one pick policy: give --policy router or --policy round-robin")
+        policy = experiment.policies[0]
+        scaling = fleet_sim.AutoscaleSettings(
+            policy=dataclasses.replace(
+                fleet_sim.default_scaling_policy(config, experiment.min_replicas, experiment.max_replicas,
+                                                 args.scale_attainment_target),
+                scale_down_stabilization_s=(experiment.scale_down_stabilization_s
+                                            if args.scale_down_stabilization is None
+                                            else args.scale_down_stabilization)),
+            interval_s=args.scale_interval, window_s=args.scale_window, startup_delay_s=args.startup_delay,
+            settle_s=args.settle)
+        run("autoscale", policy, experiment.replicas, scaling)
+        for size in experiment.fixed_sizes:
+            run(f"fixed-{size}", policy, size)
+    else:
+        for policy in experiment.policies:
+            run(policy, policy, experiment.replicas)
+    wall = time.perf_counter() - t0
+    results = [r.run for _, r in runs]
+    meta = {"command": "fleet", "scenario": args.scenario, "wall_seconds": wall,
+            "system_prompts": dataclasses.asdict(experiment.system_prompts),
+            "timelines": {name: r.replica_timeline for name, r in runs},
+            "decisions": {name: r.decisions for name, r in runs if r.decisions}}
+    stem = args.stem or (f"fleet-{experiment.name}" if args.scenario else "fleet")
+    _finish(Path(args.out), stem, results, meta, experiment.title,
+            include_records=args.records, ratios=False)
+    summaries = {name: report.summarize(r.run) for name, r in runs}
+    print(format_fleet(runs, summaries, args.attainment_target))
+    print(f"simulated {len(experiment.traffic.requests)} requests x {len(runs)} runs in {wall:.1f} s wall")
+    return 0
+
+
+def format_fleet(runs: list, summaries: dict[str, dict], attainment_target: float) -> str:
+    """The fleet table and its headline lines (routing ratios, autoscaler against fixed sizes)."""
+    lines = ["| run | replicas (peak) | replica-hours | prefix-cache hit rate | interactive TTFT p95 ms "
+             "| goodput req/s | SLO attainment |", "| --- | --- | --- | --- | --- | --- | --- |"]
+
+    def interactive(name: str) -> dict:
+        s = summaries[name]
+        return s["lanes"].get("interactive", s["all"])
+
+    for name, r in runs:
+        a = summaries[name]["all"]
+        hit = r.prefix_hit_rate
+        lines.append(f"| {name} | {r.run.extra['replicas_peak']} | {r.replica_hours:.3f} | "
+                     f"{'-' if hit is None else f'{hit:.1%}'} | {report._ms(interactive(name)['ttft_s']['p95'])} | "
+                     f"{a['goodput_rps']:.2f} | {a['slo_attainment']:.1%} |")
+    names = [name for name, _ in runs]
+    if "round-robin" in names and "router" in names:
+        ttft = report.ratio(interactive("round-robin")["ttft_s"]["p95"], interactive("router")["ttft_s"]["p95"])
+        good = report.ratio(summaries["router"]["all"]["goodput_rps"], summaries["round-robin"]["all"]["goodput_rps"])
+        lines.append(f"router vs round-robin: interactive TTFT p95 {'-' if ttft is None else f'{ttft:.2f}x'} lower, "
+                     f"goodput {'-' if good is None else f'{good:.2f}x'} higher")
+    by_name = dict(runs)
+    if "autoscale" in by_name:
+        auto = by_name["autoscale"]
+        reaching = [(r.replica_hours, name) for name, r in runs
+                    if name.startswith("fixed-") and summaries[name]["all"]["slo_attainment"] >= attainment_target]
+        att = summaries["autoscale"]["all"]["slo_attainment"]
+        lines.append(f"autoscale: SLO attainment {att:.1%} (target {attainment_target:.0%}), "
+                     f"{auto.replica_hours:.3f} replica-hours")
+        if reaching:
+            hours, cheapest = min(reaching)
+            lines.append(f"cheapest fixed size reaching {attainment_target:.0%}: {cheapest}, "
+                         f"{hours:.3f} replica-hours; autoscale / cheapest = {auto.replica_hours / hours:.2f}x")
+        else:
+            lines.append(f"no fixed size reached {attainment_target:.0%}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- compare
 
 
@@ -261,6 +402,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def fleet_pick_default_slack() -> float:
+    from tokenlane.runtime.fleet_pick import PickPolicy
+
+    return PickPolicy().affinity_slack
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenlane bench", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -285,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("simulate", help="in-process engine + simulated GPU on a virtual clock")
-    s.add_argument("--scenario", choices=["continuous-vs-static", "lanes-flood"], default=None)
+    s.add_argument("--scenario", choices=list(scenarios.SCENARIOS), default=None)
     s.add_argument("--config", default=None, help="runtime.yaml (executor forced to simulated)")
     s.add_argument("--phase", action="append", default=[], metavar="NAME[:key=value,...]",
                    help="a phase with config overrides, e.g. static:engine.continuousBatching=false")
@@ -293,6 +440,41 @@ def build_parser() -> argparse.ArgumentParser:
     common(s)
     _traffic_args(s)
     s.set_defaults(func=cmd_simulate)
+
+    f = sub.add_parser("fleet", help="N simulated replicas behind the router's pick policy, autoscaler in the loop")
+    f.add_argument("--scenario", choices=["routing", "burst", "ramp"], default=None,
+                   help="routing: round-robin vs router on 4 replicas; burst (a 5x step) and ramp (a long 5x "
+                        "burst that ramps up and down): autoscale vs fixed sizes")
+    f.add_argument("--config", default=None,
+                   help="runtime.yaml (default: the production example config with prefix caching on)")
+    f.add_argument("--replicas", type=int, default=None, help="fleet size (with --autoscale: the starting size)")
+    f.add_argument("--policy", choices=["round-robin", "router", "both"], default=None)
+    f.add_argument("--system-prompts", type=int, default=None, help="shared system prompts (0: none)")
+    f.add_argument("--system-prompt-tokens", type=int, default=None)
+    f.add_argument("--system-prompt-share", type=float, default=None, help="share of requests with one")
+    f.add_argument("--system-prompt-zipf", type=float, default=None, help="popularity skew (0: uniform)")
+    f.add_argument("--affinity-slack", type=float, default=fleet_pick_default_slack(),
+                   help="the router's --affinity-slack")
+    f.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the autoscaler's decide() in the loop (then also every --fixed-sizes size)")
+    f.add_argument("--min-replicas", type=int, default=None)
+    f.add_argument("--max-replicas", type=int, default=None)
+    f.add_argument("--fixed-sizes", default=None, metavar="N,N,...", help="fixed fleet sizes to compare with")
+    f.add_argument("--startup-delay", type=float, default=60.0, help="seconds until a new replica is ready")
+    f.add_argument("--scale-interval", type=float, default=15.0, help="seconds between decisions")
+    f.add_argument("--scale-window", type=float, default=60.0, help="the sample's window, seconds")
+    f.add_argument("--settle", type=float, default=0.0,
+                   help="seconds a replica must have been ready before the decision counts it as ready")
+    f.add_argument("--scale-down-stabilization", type=float, default=None,
+                   help="seconds (default: the scenario's, a sixth of its run; else 300)")
+    f.add_argument("--attainment-target", type=float, default=0.95,
+                   help="SLO attainment a run needs to count as reaching the target (the comparison)")
+    f.add_argument("--scale-attainment-target", type=float, default=0.97,
+                   help="per-lane SLO attainment target given to the autoscaler")
+    f.add_argument("--records", action="store_true", help="include every request record in the JSON")
+    common(f)
+    _traffic_args(f)
+    f.set_defaults(func=cmd_fleet)
 
     c = sub.add_parser("compare", help="restart `tokenlane serve` per phase with config overrides")
     c.add_argument("--config", required=True, help="base runtime.yaml")

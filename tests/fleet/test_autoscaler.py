@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -42,6 +43,10 @@ def sample(queue_delay=0.1, attainment=0.99, kv=0.5, rate=10.0, at=NOW, batch_de
     })
 
 
+def ready(the_sample: FleetSample, replicas: int) -> FleetSample:
+    return dataclasses.replace(the_sample, ready_replicas=replicas)
+
+
 def covered(replicas: int, policy: AutoscalingPolicy = POLICY) -> tuple[Recommendation, ...]:
     """A history whose every recommendation over the scale-down window (and before) is `replicas`."""
     step = 15.0
@@ -76,6 +81,20 @@ def covered(replicas: int, policy: AutoscalingPolicy = POLICY) -> tuple[Recommen
      "tolerance"),
     ("current above max: clamped", 30, sample(), (), 20, DOWN, "outside"),
     ("current below min with missing data: clamped", 1, None, (), 2, UP, "outside"),
+    # Replicas still starting (ready < current): the ratio scales the ready ones only,
+    # capacity already starting is not added again, and only KV usage may add more meanwhile.
+    ("queue delay x2 on 2 ready of 4: the starting ones cover it", 4, ready(sample(queue_delay=1.0), 2), (), 4,
+     HOLD, "awaiting 2 starting"),
+    ("queue delay x3 on 2 ready of 4: latency waits for the starting ones", 4, ready(sample(queue_delay=1.5), 2),
+     (), 4, HOLD, "awaiting 2 starting"),
+    ("KV 100% on 4 ready of 5: KV adds what is missing", 5, ready(sample(kv=1.0), 4), (), 6, UP, "KV usage"),
+    ("overload on 1 ready of 5: no re-adding", 5, ready(sample(attainment=0.85), 1), (), 5, HOLD,
+     "awaiting 4 starting"),
+    ("overload with none ready yet: counted as one", 3, ready(sample(queue_delay=1.0), 0), (), 3, HOLD,
+     "awaiting 3 starting"),
+    ("all ready: as without the field", 3, ready(sample(queue_delay=1.0), 3), (), 6, UP, "queue delay"),
+    ("more ready than current (a pod terminating): current counts", 3, ready(sample(queue_delay=1.0), 5), (), 6,
+     UP, "queue delay"),
 ])
 def test_decisions(name, current, the_sample, history, desired, action, says):
     decision = decide(POLICY, current, the_sample, history, NOW)
@@ -179,6 +198,22 @@ def test_no_flapping_under_oscillating_load(policy, start, period, high_kv, low_
             directions.append(decision.action)
         current, history = decision.desired, decision.history
     assert DOWN not in directions, directions
+
+
+@settings(max_examples=300, deadline=None)
+@given(policy=policies, current=st.integers(1, 40), ready_share=st.floats(0, 1), history=histories,
+       level=st.tuples(st.floats(0, 100), st.floats(0, 1), st.one_of(st.none(), st.floats(0, 1))))
+def test_latency_never_adds_to_replicas_still_starting(policy, current, ready_share, history, level):
+    """With replicas starting, a latency overload of any size holds the count; only KV usage,
+    scaled on the ready replicas, may add (no overshoot while capacity is on its way)."""
+    current = policy.clamp(current)
+    ready_now = min(current - 1, int(current * ready_share))  # current >= minReplicas >= 1
+    delay, misses, kv = level
+    the_sample = dataclasses.replace(sample(queue_delay=delay, attainment=1 - misses, kv=kv),
+                                     ready_replicas=ready_now)
+    decision = decide(policy, current, the_sample, history, NOW)
+    kv_wants = 0 if kv is None else math.ceil(max(ready_now, 1) * kv / POLICY.kv_usage_target)
+    assert decision.desired <= max(current, min(kv_wants, scale_up_limit(current), policy.max_replicas))
 
 
 load_levels = st.tuples(st.floats(0, 10), st.floats(0, 1), st.floats(0, 1))  # queue delay, 1 - attainment, kv

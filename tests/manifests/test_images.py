@@ -91,7 +91,7 @@ def test_runtime_image_has_cuda_torch_and_triton():
     args = arg_defaults(RUNTIME)
     (pinned,) = [d for d in PYPROJECT["optional-dependencies"]["runtime"] if d.startswith("torch")]
     assert args["TORCH_VERSION"] == pinned.split("==")[1], "the image's torch differs from pyproject.toml's pin"
-    assert args["EXTRAS"] == "runtime,triton"
+    assert args["EXTRAS"] == "runtime,triton,gpu"  # gpu: NVML gauges
     assert '".[${EXTRAS}]"' in RUNTIME.read_text()
     entry = [a for k, a in final_stage(RUNTIME) if k == "ENTRYPOINT"]
     assert entry and '"tokenlane"' in entry[-1] and '"serve"' in entry[-1]

@@ -35,7 +35,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 # Fields of the sections that are not budget knobs: a new field must be one or the other.
 SCHEDULER_NON_KNOBS = {"policy", "step_time_budget"}
-LANE_NON_KNOBS = {"name", "lane_class", "priority", "weight", "default", "slo", "match"}
+LANE_NON_KNOBS = {"name", "lane_class", "priority", "weight", "default", "slo", "match", "continuous_batching"}
 
 
 def _fields(cls: type) -> dict[str, typing.Any]:

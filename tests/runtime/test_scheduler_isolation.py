@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenlane.runtime.config import ConfigError, RuntimeConfig
+from tokenlane.runtime.plan import StepPlan
 from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
 from tokenlane.runtime.scheduler import Scheduler
 from tokenlane.runtime.step_cost import MIN_OBSERVATIONS, StepCostModel, StepTimeBudget, chunk_terms
@@ -192,3 +193,61 @@ def test_the_budget_caps_lower_priority_prefill_chunks_to_the_tightest_tpot_targ
         assert sched.num_time_capped_steps >= 1 and sched.lanes["bulk"].time_capped_steps >= 1
     while sched.has_unfinished_requests():
         step(sched, ex, clock)
+
+
+# ---- per-lane static batching (lane key continuousBatching: false)
+
+
+def running_ids(sched, lane):
+    return {r.request_id for r in sched.running if r.status is RequestStatus.RUNNING and r.lane == lane}
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_static_lane_starts_new_requests_only_when_its_batch_has_drained(static):
+    """Table: the same traffic with the batch lane static or continuous; the interactive lane
+    keeps continuous batching either way."""
+    lanes = [
+        {"name": "inter", "priority": 100, "default": True},
+        {"name": "batch", "priority": 10, "continuousBatching": not static},
+    ]
+    sched, ex, clock = make(make_config(lanes=lanes), num_blocks=200)
+    sched.add_request(req("b0", max_tokens=6, lane="batch"))
+    sched.add_request(req("b1", max_tokens=2, lane="batch", first=50))
+    step(sched, ex, clock)
+    assert running_ids(sched, "batch") == {"b0", "b1"}
+    sched.add_request(req("late", max_tokens=2, lane="batch", first=90))
+    sched.add_request(req("i0", max_tokens=2, lane="inter", first=130))
+    step(sched, ex, clock)
+    assert "i0" in running_ids(sched, "inter")  # other lanes join at any step
+    assert ("late" in running_ids(sched, "batch")) == (not static)
+    while "b0" in sched.requests:  # b1 finishes first: a static lane still waits for b0
+        if static:
+            assert "late" not in running_ids(sched, "batch")
+        step(sched, ex, clock)
+    step(sched, ex, clock)
+    assert "late" in running_ids(sched, "batch") or "late" not in sched.requests
+
+
+def test_a_static_lane_batch_is_capped_by_its_max_active_sequences_and_keeps_preempted_members():
+    lanes = [{"name": "batch", "default": True, "continuousBatching": False, "maxActiveSequences": 2}]
+    sched, ex, clock = make(make_config(lanes=lanes), num_blocks=200)
+    for i in range(3):
+        sched.add_request(req(f"b{i}", max_tokens=3, lane="batch", first=40 * i))
+    step(sched, ex, clock)
+    assert running_ids(sched, "batch") == {"b0", "b1"}
+    # A preempted member gives its start back and restarts within the same batch.
+    sched._preempt(sched.requests["b1"], StepPlan())  # as memory pressure would, between steps
+    step(sched, ex, clock)
+    assert running_ids(sched, "batch") == {"b0", "b1"}
+    while "b0" in sched.requests or "b1" in sched.requests:
+        assert "b2" not in running_ids(sched, "batch")
+        step(sched, ex, clock)
+    step(sched, ex, clock)
+    assert "b2" in running_ids(sched, "batch") or "b2" not in sched.requests
+
+
+def test_continuous_batching_on_a_lane_is_a_bool_that_defaults_to_true():
+    config = make_config(lanes=[{"name": "a", "default": True}])
+    assert config.lanes[0].continuous_batching is True
+    with pytest.raises(ConfigError):
+        make_config(lanes=[{"name": "a", "default": True, "continuousBatching": "sometimes"}])

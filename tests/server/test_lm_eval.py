@@ -5,7 +5,7 @@ and the log-likelihoods it records equal transformers' on the same checkpoint.
 Opt-in (`-m slow`) and skipped without lm-eval: it is not a test dependency. Install it in
 a separate environment and point at its command, e.g.
 
-    python -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install 'lm-eval[api]==0.4.13'
+    python -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install 'lm-eval[api]==0.4.13' transformers
     TOKENLANE_LM_EVAL=/tmp/lmeval/bin/lm_eval .venv/bin/python -m pytest -m slow tests/server/test_lm_eval.py
 """
 

@@ -241,8 +241,8 @@ def test_chat_logprobs_streaming_equals_non_streaming(client):
         ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": 1}, "logprobs"),  # chat's logprobs is a boolean
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"best_of": 2}, "best_of"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"max_completion_tokens": "2"}, "max_completion_tokens"),

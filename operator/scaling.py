@@ -1,0 +1,291 @@
+"""The kopf side of replica autoscaling: a timer that feeds autoscaler.decide() from Prometheus.
+
+Every `tick_s` the operator's timer calls `tick` for each ModelService. With
+`spec.autoscaling.enabled`, once `spec.autoscaling.interval` has passed since its last run:
+
+1. read one window of the fleet's metrics from Prometheus (`queries`, assembled into a
+   `FleetSample` by the pure `fleet_sample`; any failure is an unavailable sample, so the
+   decision holds);
+2. `autoscaler.decide()` with the shared pool's Deployment replicas as the current count and
+   the recommendations of earlier runs (kept in memory: a restarted operator needs a full
+   scale-down window of data before it scales down, the safe direction);
+3. write `status.autoscaling` when its counts or reason change (`autoscaling_status`: a
+   decision that only holds with new numbers writes nothing);
+4. when the desired count differs from the Deployment's, run the reconcile: the builders
+   render the shared pool with `status.autoscaling.desiredReplicas`
+   (builders.shared_replicas) and apply it like every other change.
+
+The operator never writes the ModelService's spec: `spec.replicas` is left as the user wrote
+it and is ignored while autoscaling is enabled (docs/fleet.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import dataclasses
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Optional
+
+from tokenlane.operator import autoscaler, builders, k8s, reads
+from tokenlane.operator import status as status_mod
+from tokenlane.operator.autoscaler import AutoscalingPolicy, FleetSample, LaneSample, LaneScalingTarget, Recommendation
+from tokenlane.operator.model import ModelService, ServingLane, parse_duration, parse_model_service
+from tokenlane.operator.prometheus import PrometheusClient, PrometheusError, Series
+
+log = logging.getLogger("tokenlane.operator.scaling")
+
+TICK_S = 5.0
+PREFIX = "tokenlane_"
+_LABEL_VALUE_RE = re.compile(r'^[^"\\\n]*$')
+
+# status.autoscaling.reason
+SCALED_UP, SCALED_DOWN, HOLDING, METRICS_UNAVAILABLE = "ScaledUp", "ScaledDown", "Holding", "MetricsUnavailable"
+
+
+# --------------------------------------------------------------------------- pure: spec -> policy
+
+
+@dataclass(frozen=True)
+class AutoscalingSettings:
+    policy: AutoscalingPolicy
+    prometheus_url: str
+    interval_s: float
+    window_s: float
+
+
+def settings_from_spec(spec: Mapping[str, Any]) -> Optional[AutoscalingSettings]:
+    """The autoscaling settings of a (defaulted) ModelService spec; None when autoscaling is off.
+    Raises ValueError naming the field, for a spec the API server would refuse."""
+    raw = spec.get("autoscaling") or {}
+    if not raw.get("enabled"):
+        return None
+    if not raw.get("prometheusUrl"):
+        raise ValueError("spec.autoscaling: autoscaling.enabled needs autoscaling.prometheusUrl")
+    if raw.get("maxReplicas") is None:
+        raise ValueError("spec.autoscaling: autoscaling.enabled needs autoscaling.maxReplicas")
+    lanes = []
+    for target in raw.get("lanes") or []:
+        queue_ms = target.get("queueDelayP95Ms")
+        attainment = target.get("sloAttainmentPercent")
+        lanes.append(LaneScalingTarget(target["lane"], None if queue_ms is None else queue_ms / 1000.0,
+                                       None if attainment is None else attainment / 100.0))
+    try:
+        policy = AutoscalingPolicy(
+            min_replicas=int(raw.get("minReplicas", 1)),
+            max_replicas=int(raw["maxReplicas"]),
+            lanes=tuple(lanes),
+            kv_usage_target=raw.get("kvUsageTarget", 0.75),
+            scale_up_stabilization_s=parse_duration((raw.get("scaleUp") or {}).get("stabilizationWindow") or "0s"),
+            scale_down_stabilization_s=parse_duration(
+                (raw.get("scaleDown") or {}).get("stabilizationWindow") or "5m"),
+        )
+    except ValueError as exc:
+        raise ValueError(f"spec.autoscaling: {exc}") from None
+    return AutoscalingSettings(policy, raw["prometheusUrl"], parse_duration(raw.get("interval") or "30s"),
+                               parse_duration(raw.get("window") or "2m"))
+
+
+def ttft_targets(lanes: list[ServingLane]) -> dict[str, float]:
+    """laneName -> the lane's slo.ttftP95Ms in seconds: what SLO attainment is measured against."""
+    return {lane.lane_name: lane.spec["slo"]["ttftP95Ms"] / 1000.0 for lane in lanes
+            if not lane.deleting and (lane.spec.get("slo") or {}).get("ttftP95Ms")}
+
+
+# --------------------------------------------------------------------------- pure: Prometheus -> sample
+
+
+def queries(model: str, window_s: float, namespace: Optional[str] = None) -> dict[str, str]:
+    """The PromQL of one autoscaling sample, by name: series of `model` in the ModelService's
+    namespace only (two ModelServices serving one model name must not mix)."""
+    pairs = {"model": model, **({"namespace": namespace} if namespace else {})}
+    for key, value in pairs.items():
+        if not _LABEL_VALUE_RE.match(value):
+            raise ValueError(f"label value for {key!r} may not contain quotes, backslashes or newlines")
+    m = ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items()))
+    w = f"{max(1, int(round(window_s)))}s"
+    return {
+        "queue_delay_p95": (f"histogram_quantile(0.95, sum by (le, lane) "
+                            f"(rate({PREFIX}queue_delay_seconds_bucket{{{m}}}[{w}])))"),
+        "requests": f"sum by (lane) (rate({PREFIX}requests_total{{{m}}}[{w}]))",
+        "ttft_buckets": f"sum by (lane, le) (rate({PREFIX}time_to_first_token_seconds_bucket{{{m}}}[{w}]))",
+        "kv_usage": f"avg(avg_over_time({PREFIX}kv_cache_usage_ratio{{{m}}}[{w}]))",
+    }
+
+
+def _attainment(buckets: list[tuple[float, float]], total: float, target_s: float) -> Optional[float]:
+    """Share of the `total` requests per second whose TTFT was within `target_s`, from the
+    histogram's cumulative buckets (le, rate). The largest bucket bound at or below the target
+    counts, so a target between two bounds is judged strictly. Requests that ended without a
+    first token (refused, timed out) count as misses."""
+    if total <= 0:
+        return None
+    within = [rate for le, rate in buckets if le <= target_s + 1e-12]
+    met = max(within) if within else 0.0
+    return max(0.0, min(1.0, met / total))
+
+
+def fleet_sample(results: Mapping[str, list[Series]], at: float, window_s: float,
+                 targets_s: Mapping[str, float]) -> FleetSample:
+    """A FleetSample from the named query results (see `queries`)."""
+    rates: dict[str, float] = {}
+    for series in results.get("requests", []):
+        lane = series.labels.get("lane", "")
+        rates[lane] = rates.get(lane, 0.0) + (series.value or 0.0)
+    delays = {s.labels.get("lane", ""): s.value for s in results.get("queue_delay_p95", [])}
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for series in results.get("ttft_buckets", []):
+        try:
+            le = float(series.labels.get("le", "nan"))
+        except ValueError:
+            continue
+        if not math.isnan(le):
+            buckets.setdefault(series.labels.get("lane", ""), []).append((le, series.value or 0.0))
+    lanes = {}
+    for lane in sorted((set(rates) | set(delays)) - {""}):
+        target = targets_s.get(lane)
+        attainment = None if target is None else _attainment(buckets.get(lane, []), rates.get(lane, 0.0), target)
+        lanes[lane] = LaneSample(request_rate=rates.get(lane, 0.0), queue_delay_p95_s=delays.get(lane),
+                                 slo_attainment=attainment)
+    kv = results.get("kv_usage", [])
+    return FleetSample(at=at, window_s=window_s, lanes=lanes, kv_usage=kv[0].value if kv else None)
+
+
+async def read_prometheus(url: str, model: str, window_s: float, targets_s: Mapping[str, float], *,
+                          namespace: Optional[str], at: float) -> FleetSample:
+    """One sample from Prometheus; any failure is an unavailable sample (the decision holds)."""
+    client = PrometheusClient(url)
+    try:
+        results = {name: await client.query(promql) for name, promql in queries(model, window_s, namespace).items()}
+    except PrometheusError as exc:
+        return FleetSample.unavailable(at, str(exc))
+    return fleet_sample(results, at, window_s, targets_s)
+
+
+# --------------------------------------------------------------------------- pure: decision -> status
+
+
+def reason_of(decision: autoscaler.ScalingDecision, sample: Optional[FleetSample]) -> str:
+    if decision.action == autoscaler.UP:
+        return SCALED_UP
+    if decision.action == autoscaler.DOWN:
+        return SCALED_DOWN
+    if sample is None or not sample.available:
+        return METRICS_UNAVAILABLE
+    return HOLDING
+
+
+def autoscaling_status(previous: Optional[Mapping[str, Any]], current: int, decision: autoscaler.ScalingDecision,
+                       reason: str, now: str) -> dict:
+    """status.autoscaling after a decision. Equal to `previous` unless the counts or the reason
+    changed: the message keeps the numbers of the decision that changed them (live numbers are
+    metrics, not status writes)."""
+    previous = dict(previous or {})
+    wanted = {"currentReplicas": current, "desiredReplicas": decision.desired, "reason": reason}
+    if all(previous.get(k) == v for k, v in wanted.items()) and "message" in previous:
+        return previous
+    out = {**wanted, "message": decision.reason[:4096]}
+    if decision.desired != current:
+        out["lastScaleTime"] = now
+    elif previous.get("lastScaleTime"):
+        out["lastScaleTime"] = previous["lastScaleTime"]
+    return out
+
+
+# --------------------------------------------------------------------------- the timer
+
+# (prometheusUrl, model, window seconds, {lane: TTFT target s}, namespace=..., at=...) -> one sample
+SampleReader = Callable[..., Awaitable[FleetSample]]
+Reconcile = Callable[[str, str], Awaitable[Any]]
+
+
+@dataclass
+class Autoscaling:
+    """What the timer needs besides the Kubernetes client: a clock and a metrics reader (tests
+    inject), and what it remembers between runs (in memory, not status)."""
+
+    clock: Callable[[], float] = time.time
+    read_sample: SampleReader = read_prometheus
+    tick_s: float = TICK_S
+    last_run: dict[tuple[str, str], float] = field(default_factory=dict)
+    history: dict[tuple[str, str], tuple[Recommendation, ...]] = field(default_factory=dict)
+
+    def due(self, namespace: str, name: str, interval_s: float, now: float) -> bool:
+        last = self.last_run.get((namespace, name))
+        return last is None or now - last >= interval_s
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.last_run.pop((namespace, name), None)
+        self.history.pop((namespace, name), None)
+
+
+def _shared_deployment_replicas(deployments: list[dict], msvc: ModelService) -> Optional[int]:
+    for dep in deployments:
+        if (dep.get("metadata") or {}).get("name") == msvc.name:
+            return int((dep.get("spec") or {}).get("replicas") or 0)
+    return None
+
+
+def with_ready_replicas(sample: FleetSample, deployments: list[dict], msvc: ModelService) -> FleetSample:
+    """The sample plus the shared Deployment's ready replicas (status.readyReplicas): only they
+    served the window, and the decision must not add again the capacity that is still starting."""
+    for dep in deployments:
+        if (dep.get("metadata") or {}).get("name") == msvc.name and sample.available:
+            ready = int((dep.get("status") or {}).get("readyReplicas") or 0)
+            return dataclasses.replace(sample, ready_replicas=ready)
+    return sample
+
+
+async def tick(a: Autoscaling, client: k8s.KubeClient, executor: k8s.Executor, lock: Any, namespace: str,
+               name: str, spec: Mapping[str, Any], status: Optional[Mapping[str, Any]], reconcile: Reconcile
+               ) -> Optional[autoscaler.ScalingDecision]:
+    """One timer call for ModelService namespace/name (`spec`, `status`: as kopf last saw them,
+    to skip the disabled ones without a request). Returns the decision when one was made."""
+    if not (spec.get("autoscaling") or {}).get("enabled"):
+        a.forget(namespace, name)
+        if (status or {}).get("autoscaling") is not None:  # turned off: its last decision no longer holds
+            async with lock:
+                await client.merge_patch(k8s.MODEL_SERVICES, namespace, name, {"status": {"autoscaling": None}},
+                                         subresource="status")
+        return None
+    body = await reads.model_service_body(client, namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        a.forget(namespace, name)
+        return None
+    try:
+        msvc = parse_model_service(body)
+        settings = settings_from_spec(msvc.spec)
+    except ValueError:
+        return None  # the reconcile reports an invalid spec
+    if settings is None:
+        return None
+    now = a.clock()
+    if not a.due(namespace, name, settings.interval_s, now):
+        return None
+    a.last_run[(namespace, name)] = now
+    deployments = await executor.observe(namespace, name, kinds=(k8s.DEPLOYMENTS,))
+    current = _shared_deployment_replicas(deployments, msvc)
+    if current is None:
+        return None  # not rendered yet: the reconcile creates it at the bounded spec.replicas
+    lanes, _ = await reads.list_lanes(client, namespace, name)
+    try:
+        model = builders.runtime_config(msvc, [], builders.Overrides()).model.name
+    except ValueError:
+        return None
+    sample = await a.read_sample(settings.prometheus_url, model, settings.window_s, ttft_targets(lanes),
+                                 namespace=namespace, at=now)
+    sample = with_ready_replicas(sample, deployments, msvc)
+    decision = autoscaler.decide(settings.policy, current, sample, a.history.get((namespace, name), ()), now)
+    a.history[(namespace, name)] = decision.history
+    previous = (body.get("status") or {}).get("autoscaling")
+    wanted = autoscaling_status(previous, current, decision, reason_of(decision, sample), k8s.timestamp(now))
+    async with lock:
+        patch = status_mod.status_patch(body.get("status") or {}, {"autoscaling": wanted})
+        if patch is not None:
+            await client.merge_patch(k8s.MODEL_SERVICES, namespace, name, {"status": patch}, subresource="status")
+    if decision.desired != current:
+        log.info("autoscaling %s/%s: %s", namespace, name, decision.reason)
+        await reconcile(namespace, name)
+    return decision
