@@ -150,19 +150,24 @@ def _slos_from_file(path: str) -> dict[str, report.LaneSLO]:
 # --------------------------------------------------------------------------- simulate
 
 
+def _scenario_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The traffic flags a named scenario takes over its own defaults (given ones only)."""
+    kwargs: dict[str, Any] = {}
+    if args.time_scale is not None:
+        kwargs["time_scale"] = args.time_scale
+    if args.duration_set:
+        kwargs["duration_s"] = args.duration
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
+    return kwargs
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tokenlane.runtime.bench.sim import simulate
 
     t0 = time.perf_counter()
     if args.scenario:
-        kwargs: dict[str, Any] = {}
-        if args.time_scale is not None:
-            kwargs["time_scale"] = args.time_scale
-        if args.duration_set:
-            kwargs["duration_s"] = args.duration
-        if args.seed is not None:
-            kwargs["seed"] = args.seed
-        scenario = scenarios.SCENARIOS[args.scenario](**kwargs)
+        scenario = scenarios.SCENARIOS[args.scenario](**_scenario_overrides(args))
         phases = scenario.phases
         title, stem = scenario.title, args.stem or f"sim-{scenario.name}"
         pairs = scenario.ratio_pairs
@@ -218,14 +223,7 @@ def _fleet_phases(args: argparse.Namespace):
     from tokenlane.runtime.bench import fleet_sim
 
     if args.scenario:
-        kwargs: dict[str, Any] = {}
-        if args.time_scale is not None:
-            kwargs["time_scale"] = args.time_scale
-        if args.duration_set:
-            kwargs["duration_s"] = args.duration
-        if args.seed is not None:
-            kwargs["seed"] = args.seed
-        experiment = fleet_sim.FLEET_EXPERIMENTS[args.scenario](**kwargs)
+        experiment = fleet_sim.FLEET_EXPERIMENTS[args.scenario](**_scenario_overrides(args))
     else:
         traffic = build_requests(spec_from_args(args))
         experiment = fleet_sim.FleetExperiment(

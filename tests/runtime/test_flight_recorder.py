@@ -13,19 +13,12 @@ from tokenlane.runtime.engine import LLMEngine
 from tokenlane.runtime.flight_recorder import FlightRecorder, config_hash, parse_since, write_dump
 from tokenlane.runtime.request import Request, SamplingParams
 from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.bench.simulator import VirtualClock as Clock
 
 LANES = [
     {"name": "interactive", "default": True, "priority": 100, "weight": 4},
     {"name": "batch", "priority": 10, "weight": 1},
 ]
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_engine(capacity=4096, num_blocks=64, wall=None, **scheduler):

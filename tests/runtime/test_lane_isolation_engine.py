@@ -16,20 +16,13 @@ from tokenlane.runtime.metrics import PrometheusMetrics
 from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
 from tokenlane.runtime.step_cost import MIN_OBSERVATIONS, chunk_terms
 from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.bench.simulator import VirtualClock as Clock
 
 torch = pytest.importorskip("torch")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_engine(config, num_blocks=40, block_size=4, **executor):
-    clock = Clock()
+    clock = Clock(100.0)
     engine = LLMEngine(config, FakeExecutor(num_blocks, block_size, vocab_size=100_000, max_model_len=None, **executor), clock=clock)
     metrics = PrometheusMetrics("tiny")
     metrics.set_config(config)

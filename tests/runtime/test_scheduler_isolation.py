@@ -11,14 +11,7 @@ from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
 from tokenlane.runtime.scheduler import Scheduler
 from tokenlane.runtime.step_cost import MIN_OBSERVATIONS, StepCostModel, StepTimeBudget, chunk_terms
 from tokenlane.runtime.testing import FakeExecutor, make_config
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tokenlane.runtime.bench.simulator import VirtualClock as Clock
 
 
 def req(rid, n_prompt=8, max_tokens=4, lane="default", *, first=0):

@@ -14,6 +14,7 @@ from tokenlane.runtime.kv_cache import KVCacheManager
 from tokenlane.runtime.metrics import PrometheusMetrics
 from tokenlane.runtime.request import FinishReason, Request, SamplingParams
 from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.bench.simulator import VirtualClock as Clock
 
 torch = pytest.importorskip("torch")
 
@@ -21,14 +22,6 @@ LANES = [
     {"name": "interactive", "default": True, "priority": 100, "weight": 4},
     {"name": "batch", "priority": 10, "weight": 1},
 ]
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_engine(num_blocks=64):

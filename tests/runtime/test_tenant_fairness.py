@@ -20,17 +20,10 @@ from tokenlane.runtime.engine import LLMEngine
 from tokenlane.runtime.lanes import Lane
 from tokenlane.runtime.request import Request, SamplingParams
 from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.bench.simulator import VirtualClock as Clock
 
 MAX_PROMPT = 24
 MAX_OUTPUT = 12
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _with_tenants(config, tenants):

@@ -13,6 +13,7 @@ from tokenlane.runtime.engine import LLMEngine
 from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
 from tokenlane.runtime.tenant_limits import TenantRateLimiter, TokenBucket
 from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.bench.simulator import VirtualClock as Clock
 
 
 # (tokens per minute, charges before as (time, tokens), ask at (time, tokens), expected wait s)
@@ -67,14 +68,6 @@ def test_config_checks_weight_and_rate():
 
 
 # ---- through the engine
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _engine(tenants):
