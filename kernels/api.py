@@ -53,7 +53,8 @@ def paged_attention(
             max_query_len=max_query_len, max_seq_len=max_seq_len,
         )
     if query.device.type == "cpu":
-        # Same contract as the reference, fused SDPA per sequence (kernels/cpu_attention.py).
+        # Same contract as the reference: decodes batched in length groups, one SDPA per
+        # prefill chunk (kernels/cpu_attention.py).
         from tokenlane.kernels.cpu_attention import paged_attention_cpu
 
         return paged_attention_cpu(

@@ -1,20 +1,48 @@
 """A faster torch path for paged attention on the CPU (same contract as the reference).
 
-`paged_attention_ref` is the readable oracle: per sequence it repeats K/V for every query
-head and runs two einsums and an explicit mask. On the CPU that costs far more than the
-math: here each sequence gathers its blocks once (`index_select`, small enough to stay in
-cache for the next op) and calls torch's fused `scaled_dot_product_attention` with
-grouped-query heads (`enable_gqa`), a causal mask only when the chunk has cached context,
-and no mask at all for single-token decodes. (Batching all decodes into one padded gather
-was measured slower here: it streams several times the KV bytes through memory.) Results
-equal the reference up to float32 summation order (tests/runtime/test_executor.py checks
-it on random shapes). fp16/bf16 inputs are upcast like the reference does.
+`paged_attention_cpu` computes what `reference.paged_attention_ref` computes, in float32,
+with fewer ops per decode:
+
+- Decodes (query length 1) are sorted by context length and cut into groups whose padding
+  wastes < 25% of the group's rows and whose gathered K/V stay small
+  (`DECODE_GROUP_BYTES`). Per group: one block gather of K and one of V into reused buffers,
+  the padded rows zeroed (a stale or NaN cache row must not leak through a zero weight), and
+  one `scaled_dot_product_attention` over `[n, Hkv, G, D]` queries (a KV head's G query heads
+  are extra query rows: GQA without copies) with a length mask. One padded gather of every
+  decode streams several times the real KV bytes, hence the groups.
+- Prefill chunks with cached context keep one SDPA each (few and big), with a causal mask
+  relative to the context, and all threads when the chunk is big enough.
+
+The grouping depends only on the batch layout, so it is built once and reused by every layer
+of a forward pass (while `block_tables` / `seq_lens` / `query_start_loc` hold the same values).
+The cache may be stored in another dtype than the query (e.g. a bf16 cache with fp32
+compute): only the gathered K/V are upcast. Results equal the reference up to float32
+summation order (tests/kernels/test_cpu_attention.py).
+
+Measured (`python -m tokenlane.kernels.cpu_attention_bench`, one thread, 19M-model shapes):
+1.0-1.4x over one SDPA per decode, with an fp32 or a bf16 cache (fp32 queries). Decode
+attention here is bound by the K/V bytes gathered and read (about 1 KiB per token per layer
+at 19M), not by op count; a `torch.compile`d fused gather + attention was 1.4-1.7x faster
+still, but took 45 s to compile cold plus 14 s per new batch shape.
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+# Gathered K + V bytes of one decode group. Of 0.5, 1 and 2 MiB, 2 was fastest on a 1 MiB-L2
+# EPYC (fewer, bigger calls); unbounded (one gather of every decode) was slower.
+DECODE_GROUP_BYTES = 2 << 20
+# A group's rows (sequences x padded length) may be at most this share of padding.
+DECODE_GROUP_MAX_WASTE = 0.25
+# Work (query rows x context length) from which one attention call uses every thread.
+_PARALLEL_WORK = 1 << 15
+# Scratch buffers up to this size are kept for the next call; bigger gathers are one-off.
+_MAX_KEPT_SCRATCH_BYTES = 16 << 20
 
 
 def paged_attention_cpu(
@@ -26,65 +54,259 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    *,
+    batch_decodes: bool = True,  # False: one SDPA per decode too (the previous path; benchmarks)
 ) -> torch.Tensor:
+    # Inference mode throughout: the scratch buffers and the cached plan are reused across
+    # calls, and a buffer first made under the model's inference_mode could not be written
+    # in place by a later call outside it.
+    with torch.inference_mode():
+        return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                query_start_loc, scale, out, batch_decodes)
+
+
+def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                     scale, out, batch_decodes):
     if out is None:
         out = torch.empty_like(query)
-    # Most sequences' ops are tiny (a decode reads one context): run them on one thread, as
-    # an OpenMP fork/join per op costs more than the op (and far more on a busy host). Big
-    # chunks get all threads back.
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    if query.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of KV heads ({num_kv_heads})")
+    # Bytes of one gathered token (K + V), with their float32 copies for a narrower cache.
+    upcast_bytes = 0 if key_cache.dtype == torch.float32 else 4
+    row_bytes = 2 * num_kv_heads * head_dim * (key_cache.element_size() + upcast_bytes)
+    plan = _plan_for(block_tables, seq_lens, query_start_loc, block_size, row_bytes,
+                     batch_decodes)
+    # Most calls here are small: run them on one thread, as an OpenMP fork/join per op costs
+    # more than the op (and far more on a busy host). Big ones get all threads back.
     threads = torch.get_num_threads()
     try:
-        _attend_each(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                     scale, out, threads)
+        current = threads
+        for group in plan.decode_groups:
+            current = _use_threads(threads if group.work >= _PARALLEL_WORK else 1, current)
+            _attend_decode_group(query, key_cache, value_cache, group, scale, out)
+        for seq in plan.sequences:
+            current = _use_threads(threads if seq.work >= _PARALLEL_WORK else 1, current)
+            _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, out)
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
     return out
 
 
-# Work (query length x context length) from which a sequence uses every thread.
-_PARALLEL_WORK = 1 << 15
+def _use_threads(wanted: int, current: int) -> int:
+    if wanted != current:
+        torch.set_num_threads(wanted)
+    return wanted
 
 
-def _attend_each(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                 out, threads):
-    current = threads
-    _, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    gqa = num_heads != num_kv_heads
-    upcast = query.dtype != torch.float32
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor | slice  # the decodes' query (= output) rows; a slice when consecutive
+    blocks: torch.Tensor  # [n * blocks_per_seq] int64: cache blocks to gather, row-major
+    blocks_per_seq: int
+    max_len: int  # longest context of the group (the gather is sliced to it)
+    padding: torch.Tensor | None  # int64 gathered rows past their sequence's context
+    mask: torch.Tensor | None  # [n, 1, 1, max_len] float32, 0 or -inf; None = no padding
+    work: int
+
+
+@dataclass
+class _Sequence:
+    q_start: int
+    q_end: int
+    ctx_len: int
+    index: int  # row of block_tables
+    work: int
+
+
+@dataclass
+class _Plan:
+    decode_groups: list[_DecodeGroup]
+    sequences: list[_Sequence]
+
+
+_local = threading.local()
+
+
+def _plan_for(block_tables, seq_lens, query_start_loc, block_size, row_bytes, batch_decodes):
+    """The batch's plan, reused while the metadata holds the same values: every layer of a
+    forward pass passes the same metadata. Compared by value (three small `torch.equal`s), so
+    new tensors, in-place edits and inference tensors (no version counter) are all safe."""
+    key = (block_size, row_bytes, batch_decodes)
+    tensors = (block_tables, seq_lens, query_start_loc)
+    cached = getattr(_local, "plan", None)
+    if cached is not None:
+        cached_key, copies, plan = cached
+        if cached_key == key and all(
+            c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t)
+            for c, t in zip(copies, tensors)
+        ):
+            return plan
+    plan = _build_plan(block_tables, seq_lens, query_start_loc, block_size, row_bytes,
+                       batch_decodes)
+    _local.plan = (key, tuple(t.clone() for t in tensors), plan)
+    return plan
+
+
+def _build_plan(block_tables, seq_lens, query_start_loc, block_size, row_bytes, batch_decodes):
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    tables = block_tables.long()
+    decodes, sequences = [], []
     for s, ctx_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        wanted = threads if q_len * ctx_len >= _PARALLEL_WORK else 1
-        if wanted != current:
-            torch.set_num_threads(wanted)
-            current = wanted
-        n_blocks = (ctx_len + block_size - 1) // block_size
-        blocks = tables[s, :n_blocks]
-        k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
-        v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
-        q = query[q_start:q_end]
-        if upcast:
-            q, k, v = q.float(), k.float(), v.float()
-        # [1, H, len, D] views for SDPA.
-        q4 = q.transpose(0, 1).unsqueeze(0)
-        k4 = k.transpose(0, 1).unsqueeze(0)
-        v4 = v.transpose(0, 1).unsqueeze(0)
-        if q_len == 1:
-            mask, causal = None, False  # the last position sees the whole context
-        elif q_len == ctx_len:
-            mask, causal = None, True  # no cached context: plain causal
+        if q_len == 1 and batch_decodes:
+            decodes.append((ctx_len, s))
         else:
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)[:, None]
-            mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q4, k4, v4, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
-        )
-        out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
+            sequences.append(_Sequence(q_start, q_end, ctx_len, s, q_len * ctx_len))
+    decodes.sort(reverse=True)  # longest first: a group's first member sets its length
+    bounds, first, total = [], 0, 0  # groups as [first, end) ranges of `decodes`
+    for i, (ctx_len, _) in enumerate(decodes):
+        n = i - first + 1
+        padded = n * _round_up(decodes[first][0], block_size)
+        if n > 1 and (total + ctx_len < (1 - DECODE_GROUP_MAX_WASTE) * padded
+                      or padded * row_bytes > DECODE_GROUP_BYTES):
+            bounds.append((first, i))
+            first, total = i, 0
+        total += ctx_len
+    if decodes:
+        bounds.append((first, len(decodes)))
+    return _Plan(_decode_groups(decodes, bounds, block_tables, starts, block_size), sequences)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _decode_groups(decodes, bounds, block_tables, starts, block_size) -> list[_DecodeGroup]:
+    """Index tensors of every group, built for all decodes at once and sliced per group (a
+    few ops per step, whatever the number of groups)."""
+    if not decodes:
+        return []
+    ctx_list = [c for c, _ in decodes]
+    row_list = [starts[s] for _, s in decodes]
+    ctx = torch.tensor(ctx_list)
+    rows = torch.tensor(row_list)
+    width = -(-ctx_list[0] // block_size)
+    tables = block_tables.index_select(0, torch.tensor([s for _, s in decodes]))[:, :width].long()
+    # Table entries past a sequence's own blocks may be anything: read its first block there
+    # instead (always a valid index); those rows are zeroed after the gather.
+    own = torch.arange(width)[None, :] < (ctx[:, None] + block_size - 1) // block_size
+    tables = torch.where(own, tables, tables[:, :1])
+    positions = torch.arange(width * block_size)
+    groups = []
+    for first, end in bounds:
+        n, max_len = end - first, ctx_list[first]
+        per_seq = -(-max_len // block_size)
+        padding = mask = None
+        if ctx_list[end - 1] < max_len:  # sorted: shorter members leave padded rows
+            past = positions[None, :max_len] >= ctx[first:end, None]  # [n, max_len]
+            seq_idx, pos = past.nonzero().unbind(1)
+            padding = seq_idx * (per_seq * block_size) + pos  # rows of the gathered buffer
+            # Additive: SDPA would turn a bool mask into this on every call.
+            mask = torch.zeros(past.shape).masked_fill_(past, float("-inf"))[:, None, None, :]
+        r0 = row_list[first]
+        consecutive = row_list[first:end] == list(range(r0, r0 + n))
+        groups.append(_DecodeGroup(
+            rows=slice(r0, r0 + n) if consecutive else rows[first:end],
+            blocks=tables[first:end, :per_seq].reshape(-1),
+            blocks_per_seq=per_seq,
+            max_len=max_len,
+            padding=padding,
+            mask=mask,
+            work=n * max_len,
+        ))
+    return groups
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _attend_decode_group(query, key_cache, value_cache, group, scale, out):
+    _, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    n = group.blocks.numel() // group.blocks_per_seq
+    padded_len = group.blocks_per_seq * block_size
+    k = _gather(key_cache, group.blocks, "k")
+    v = _gather(value_cache, group.blocks, "v")
+    if group.padding is not None:
+        k.view(-1, num_kv_heads * head_dim).index_fill_(0, group.padding, 0)
+        v.view(-1, num_kv_heads * head_dim).index_fill_(0, group.padding, 0)
+    k, v = _as_float(k, "k32"), _as_float(v, "v32")  # contiguous: a plain conversion
+    # [n, Hkv, len, D] strided views of the gathered blocks.
+    k = k.view(n, padded_len, num_kv_heads, head_dim)[:, : group.max_len].transpose(1, 2)
+    v = v.view(n, padded_len, num_kv_heads, head_dim)[:, : group.max_len].transpose(1, 2)
+    # A KV head's query heads are consecutive: [n, Hkv, G, D] reads them as G query rows.
+    rows = group.rows
+    q = query[rows] if isinstance(rows, slice) else query.index_select(0, rows)
+    q = q.view(n, num_kv_heads, -1, head_dim)
+    if q.dtype != torch.float32:
+        q = q.float()
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+    o = o.reshape(n, num_heads, head_dim).to(out.dtype)
+    if isinstance(rows, slice):
+        out[rows] = o
+    else:
+        out.index_copy_(0, rows, o)
+
+
+def _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, out):
+    _, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    q_len, ctx_len = seq.q_end - seq.q_start, seq.ctx_len
+    blocks = block_tables[seq.index, : -(-ctx_len // block_size)].long()
+    k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
+    v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
+    q = query[seq.q_start : seq.q_end]
+    q, k, v = (t if t.dtype == torch.float32 else t.float() for t in (q, k, v))
+    # [1, H, len, D] views for SDPA.
+    q4 = q.transpose(0, 1).unsqueeze(0)
+    k4 = k.transpose(0, 1).unsqueeze(0)
+    v4 = v.transpose(0, 1).unsqueeze(0)
+    if q_len == 1:
+        mask, causal = None, False  # the last position sees the whole context
+    elif q_len == ctx_len:
+        mask, causal = None, True  # no cached context: plain causal
+    else:
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)[:, None]
+        mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos
+        causal = False
+    o = F.scaled_dot_product_attention(
+        q4, k4, v4, attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    out[seq.q_start : seq.q_end] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
+    """cache[blocks] into a reused buffer (no allocation, no page faults per call)."""
+    buf = _scratch(name, (blocks.numel(), *cache.shape[1:]), cache.dtype, cache.device)
+    return torch.index_select(cache, 0, blocks, out=buf)
+
+
+def _as_float(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dtype == torch.float32:
+        return t
+    return _scratch(name, t.shape, torch.float32, t.device).copy_(t)
+
+
+def _scratch(name, shape, dtype, device) -> torch.Tensor:
+    numel = 1
+    for size in shape:
+        numel *= size
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        if numel * buf.element_size() <= _MAX_KEPT_SCRATCH_BYTES:
+            buffers[name] = buf
+    return buf[:numel].view(shape)

@@ -4,8 +4,8 @@
 
 Inputs are plain values (no Kubernetes, no HTTP): the policy (bounds, stabilization windows,
 per-lane targets), the replicas running now, one window of fleet metrics (from Prometheus or a
-simulation), the recent recommendations (kept in status, so the function needs no memory of
-its own) and the time. The output is the desired replica count, why, and the history to store.
+simulation), the recent recommendations (the caller keeps them, so the function needs no memory
+of its own) and the time. The output is the desired replica count, why, and the history to store.
 The operator calls it on a timer for each ModelService with spec.autoscaling (operator/scaling.py).
 
 Rules:
@@ -14,29 +14,43 @@ Rules:
      usage and no lane with enough requests) -> hold at the current count. The hold is
      recorded as a recommendation of the current count, so a scale-down needs a full window
      of good data after a gap.
-  3. Each decision makes one recommendation:
-     - Any target violated by more than `tolerance` (a lane's queue delay p95 above its
-       target, a lane's SLO attainment below its target, or fleet KV usage above the target)
-       -> scale up in proportion to the worst overload: ceil(ready x ratio), at least one
-       replica more than are ready, at most max(2 x current, current + 4) (the step HPA
-       allows by default). Only ready replicas produced the measurements, so only they are
-       scaled by the ratio; replicas still starting count towards the answer, so a
-       recommendation they already cover adds nothing (as HPA treats unready pods). While
-       replicas are starting, only KV usage (which grows in proportion to the load) may add
-       more: a latency ratio then measures a backlog that grows until they are ready.
-     - Every lane comfortably inside its targets (queue delay at most `comfort` x target,
-       attainment at or above target) -> the size that brings KV usage back to its target:
-       ceil(current x kvUsage / kvTarget), never below half the current count per decision.
+  3. Each decision makes one recommendation, the largest that any signal asks for:
+     - The load now (a lane's sample carries `waiting`, and `running_share` for the running
+       signal). These react at once, where latencies of ended requests lag by the window:
+       * Running: a lane's running sequences per ready replica, as a share of its
+         maxActiveSequences, against `running_share_target`. Running sequences grow about
+         as the square of the arrival rate near saturation, so a replica's load in target
+         units is sqrt(share / target), and the fleet needs ready x that + `headroom_replicas`
+         (spare capacity for what arrives during a start-up). Above current x (1 + tolerance)
+         -> that many; comfortably below -> it sizes the scale-down.
+       * Queue: the requests waiting now / the rate the ready replicas served them (Little's
+         law: the wait of a request that arrives now) against the lane's queue delay target.
+         Above it, the replicas are saturated, so what each served is its capacity: the
+         lane needs serving replicas x arrivals / (served x `target_utilization`), where
+         `serving_replicas` is how many served the window on average. When that is no more
+         than the current count, they drain the queue and nothing is added.
+       * SLO attainment (of ended requests) only blocks a scale-down: it lags by the window,
+         and sizing by it added replicas for backlogs that were already draining.
+     - Samples without those fields (the ratio signals): any target violated by more than
+       `tolerance` (queue delay p95 above its target, SLO attainment below its target) ->
+       ceil(ready x worst ratio), at least one replica more than are ready. While replicas
+       are starting these wait for them: such a ratio measures a backlog that grows until
+       they are ready, not the capacity that is missing.
+     - KV usage above its target -> ceil(ready x usage / target), at least one more than ready.
+     - Every lane comfortably inside its targets -> the largest size that the KV usage and the
+       running signal project, never below half the current count per decision.
      - Otherwise (between the two) -> the current count (the hysteresis band).
+     Only ready replicas produced the measurements, so only they are scaled; replicas still
+     starting count towards the answer, so a recommendation they already cover adds nothing
+     (as HPA treats unready pods). One step reaches at most max(2 x current, current + 4).
   4. Stabilization, as HPA's `behavior`: a scale-up goes to the lowest recommendation of the
      scale-up window (0 s: at once), so only a sustained violation scales up; a scale-down
      goes to the highest recommendation of the scale-down window, and only once the history
      covers that whole window, so one quiet sample never removes replicas and an
      oscillating load never flaps.
 
-Ratios (observed / target, > 1 is overload): queue delay p95 / target; SLO misses
-(1 - attainment) / (1 - target); KV usage / target. A lane with fewer than `min_requests`
-requests in the window has no latency verdict (its p95s mean nothing).
+A lane with fewer than `min_requests` requests in the window has no latency verdict (its
+percentiles mean nothing). See docs/fleet.md for the inputs the operator reads from Prometheus.
 """
 
 from __future__ import annotations
@@ -50,6 +64,9 @@ DOWN = "down"
 HOLD = "hold"
 
 MAX_HISTORY = 256  # recommendations kept in status at most
+# The load now (a lane's waiting requests and running share) is averaged over this share of the
+# sample's window, by whoever builds the sample: one scrape alone is noisy, the window lags.
+LOAD_NOW_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,15 @@ class AutoscalingPolicy:
     comfort: float = 0.5  # a lane's queue delay at most this x its target counts as comfortable
     min_requests: int = 20  # requests per window for a lane's latency signals to count
     max_sample_age_s: float = 120.0  # an older sample is stale
+    # A lane's running sequences per ready replica, as a share of its maxActiveSequences, at
+    # which a replica counts as fully loaded (None: the running signal is off).
+    running_share_target: Optional[float] = None
+    # Spare capacity, in replicas, on top of what the running signal measures: what may arrive
+    # during one start-up, which reactive scaling cannot cover.
+    headroom_replicas: float = 0.0
+    # The share of their measured throughput that saturated replicas should run at after a
+    # scale-up sized by the queue.
+    target_utilization: float = 0.8
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
@@ -94,6 +120,12 @@ class AutoscalingPolicy:
             raise ValueError(f"comfort must be in (0, 1], got {self.comfort!r}")
         if not self.max_sample_age_s > 0:
             raise ValueError(f"max_sample_age_s must be > 0, got {self.max_sample_age_s!r}")
+        if self.running_share_target is not None and not 0 < self.running_share_target <= 1:
+            raise ValueError(f"runningShareTarget must be in (0, 1], got {self.running_share_target!r}")
+        if not 0 <= self.headroom_replicas <= 1000:
+            raise ValueError(f"headroomReplicas must be in [0, 1000], got {self.headroom_replicas!r}")
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError(f"targetUtilization must be in (0, 1], got {self.target_utilization!r}")
         names = [t.lane for t in self.lanes]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate lane targets: {sorted(n for n in set(names) if names.count(n) > 1)}")
@@ -109,6 +141,11 @@ class LaneSample:
     request_rate: float = 0.0  # requests that ended in the window (any outcome) per second
     queue_delay_p95_s: Optional[float] = None
     slo_attainment: Optional[float] = None  # fraction in [0, 1] that met the lane's SLO
+    # The load now (None: not measured; then the queue delay p95 above judges the queue):
+    waiting: Optional[float] = None  # requests in the lane's queues at the sample's time, all replicas
+    arrival_rate: Optional[float] = None  # requests that arrived per second over the window (admitted or refused)
+    served_rate: Optional[float] = None  # admitted requests that ended per second over the window
+    running_share: Optional[float] = None  # running / maxActiveSequences at the sample's time, mean of the replicas
 
 
 @dataclass(frozen=True)
@@ -121,6 +158,10 @@ class FleetSample:
     kv_usage: Optional[float] = None  # average KV usage ratio over the replicas
     # Replicas that served the window (ready ones). None: unknown, all `current` count as ready.
     ready_replicas: Optional[int] = None
+    # The replicas that served over the window, on average (a replica ready for half of it
+    # counts a half): what the lanes' served rates are divided by to give one replica's
+    # throughput. None: unknown, the ready replicas count.
+    serving_replicas: Optional[float] = None
     available: bool = True
     error: str = ""  # why not available
 
@@ -153,10 +194,19 @@ class ScalingDecision:
     history: tuple[Recommendation, ...]
 
 
+# How a signal becomes a replica count (rule 3 of the module docstring).
+RATIO = "ratio"  # a latency ratio of ended requests: ceil(ready x ratio); waits for starting replicas
+KV = "kv"  # KV usage: ceil(ready x ratio)
+RUNNING = "running"  # the running signal: ceil(needed)
+QUEUE = "queue"  # the queue now: ceil(needed), which may be no more than ready (the queue drains)
+
+
 @dataclass(frozen=True)
 class _Signal:
     what: str  # e.g. "lane interactive queue delay p95 3.2s (target 0.5s)"
-    ratio: float
+    ratio: float  # above 1 + tolerance: an overload
+    kind: str = RATIO
+    needed: Optional[float] = None  # RUNNING and QUEUE: the replicas the lane needs, unrounded
 
 
 # --------------------------------------------------------------------------- the decision
@@ -205,20 +255,30 @@ def _missing_data(policy: AutoscalingPolicy, sample: Optional[FleetSample], now:
 
 
 def _counts(policy: AutoscalingPolicy, sample: FleetSample, lane: str) -> Optional[LaneSample]:
-    """The lane's sample when it has enough requests for its percentiles to mean anything."""
+    """The lane's sample when it has enough requests for its signals to mean anything."""
     data = sample.lanes.get(lane)
-    if data is None or data.request_rate * sample.window_s < policy.min_requests:
+    if data is None:
+        return None
+    seen = max(data.request_rate, data.arrival_rate or 0.0) * sample.window_s
+    if seen < policy.min_requests and (data.waiting or 0.0) < policy.min_requests:
         return None
     return data
 
 
-def _signals(policy: AutoscalingPolicy, sample: FleetSample) -> tuple[list[_Signal], bool]:
-    """Every measured ratio, and whether every lane is comfortably inside its targets."""
+def _signals(policy: AutoscalingPolicy, sample: FleetSample, current: int) -> tuple[list[_Signal], bool]:
+    """Every measured signal, and whether every lane is comfortably inside its targets."""
     signals: list[_Signal] = []
     comfortable = True
+    ready = max(ready_of(current, sample), 1)
     for target in policy.lanes:
         data = _counts(policy, sample, target.lane)
         if data is None:
+            continue
+        if data.waiting is not None:
+            serving = ready if sample.serving_replicas is None else max(sample.serving_replicas, 0.0)
+            lane_signals, lane_comfortable = _load_now_signals(policy, target, data, ready, serving, current)
+            signals += lane_signals
+            comfortable = comfortable and lane_comfortable
             continue
         if target.queue_delay_p95_s is not None and data.queue_delay_p95_s is not None:
             ratio = data.queue_delay_p95_s / target.queue_delay_p95_s
@@ -232,7 +292,42 @@ def _signals(policy: AutoscalingPolicy, sample: FleetSample) -> tuple[list[_Sign
             comfortable = comfortable and data.slo_attainment >= target.slo_attainment
     if policy.kv_usage_target is not None and sample.kv_usage is not None:
         signals.append(_Signal(f"KV usage {sample.kv_usage:.0%} (target {policy.kv_usage_target:.0%})",
-                               sample.kv_usage / policy.kv_usage_target))
+                               sample.kv_usage / policy.kv_usage_target, KV))
+    return signals, comfortable
+
+
+def _load_now_signals(policy: AutoscalingPolicy, target: LaneScalingTarget, data: LaneSample, ready: int,
+                      serving: float, current: int) -> tuple[list[_Signal], bool]:
+    """The running and queue signals of a lane whose sample carries the load now."""
+    signals: list[_Signal] = []
+    comfortable = True
+    if policy.running_share_target is not None and data.running_share is not None:
+        load = math.sqrt(max(0.0, data.running_share) / policy.running_share_target)
+        needed = ready * load + policy.headroom_replicas
+        ratio = needed / max(current, 1)
+        signals.append(_Signal(f"lane {target.lane} running share {data.running_share:.0%} on {ready} ready "
+                               f"(target {policy.running_share_target:.0%}, headroom "
+                               f"{policy.headroom_replicas:g}) needs {needed:.2f} replicas", ratio, RUNNING, needed))
+        comfortable = comfortable and ratio <= 1.0
+    if target.queue_delay_p95_s is not None:
+        waiting = max(0.0, data.waiting or 0.0)
+        served = max(0.0, data.served_rate or 0.0)
+        wait = 0.0 if waiting == 0 else (waiting / served if served > 0 else math.inf)
+        ratio = wait / target.queue_delay_p95_s
+        if served > 0 and data.arrival_rate is not None and serving > 0:
+            # One replica's throughput is what the window's serving replicas served each; a
+            # replica that became ready late in the window has not shown its capacity yet.
+            needed = serving * max(0.0, data.arrival_rate) / (served * policy.target_utilization)
+            sizing = (f"arrivals {data.arrival_rate:.3g}/s against {served:.3g}/s served "
+                      f"(utilization target {policy.target_utilization:.0%}) need {needed:.2f} replicas")
+        else:
+            needed = ready + 1.0  # nothing served in the window: no throughput to size by
+            sizing = "nothing served in the window"
+        signals.append(_Signal(f"lane {target.lane} {waiting:.0f} waiting, about {wait:.3g}s of queue on {ready} "
+                               f"ready (target {target.queue_delay_p95_s:.3g}s); {sizing}", ratio, QUEUE, needed))
+        comfortable = comfortable and ratio <= policy.comfort
+    if target.slo_attainment is not None and data.slo_attainment is not None:
+        comfortable = comfortable and data.slo_attainment >= target.slo_attainment
     return signals, comfortable
 
 
@@ -256,16 +351,24 @@ def ready_of(current: int, sample: FleetSample) -> int:
 
 
 def _recommend(policy: AutoscalingPolicy, current: int, sample: FleetSample) -> tuple[int, str]:
-    signals, comfortable = _signals(policy, sample)
+    signals, comfortable = _signals(policy, sample, current)
     ready = ready_of(current, sample)
     base = max(ready, 1)
+    starting = current - ready
     over = [s for s in signals if s.ratio > 1.0 + policy.tolerance]
     if over:
-        starting = current - ready
 
         def wants(signal: _Signal) -> int:
+            if signal.kind == RUNNING:
+                assert signal.needed is not None
+                # Within the tolerance of the need is enough, as for the scale-down below, so
+                # that the size it reaches does not ask to go back.
+                return policy.clamp(math.ceil(min(signal.needed, policy.max_replicas) - policy.tolerance))
+            if signal.kind == QUEUE:
+                assert signal.needed is not None
+                return policy.clamp(math.ceil(min(signal.needed, policy.max_replicas) - 1e-9))
             wanted = policy.clamp(max(ready + 1, math.ceil(base * signal.ratio)))
-            if starting and not signal.what.startswith("KV usage"):
+            if starting and signal.kind == RATIO:
                 # A latency ratio measures the backlog, which grows until the starting
                 # replicas are ready, not the capacity that is missing: it waits for them.
                 return min(wanted, current)
@@ -273,19 +376,31 @@ def _recommend(policy: AutoscalingPolicy, current: int, sample: FleetSample) -> 
 
         worst = max(over, key=lambda s: (wants(s), s.ratio))
         wanted = wants(worst)
-        if starting and wanted <= current:  # the starting replicas cover it: add nothing
-            return policy.clamp(current), (f"{worst.what} is x{worst.ratio:.2f} of target on {ready} ready; "
-                                           f"awaiting {starting} starting replica(s)")
+        if wanted <= current:
+            if starting:  # the starting replicas cover it: add nothing
+                return policy.clamp(current), (f"{worst.what} is x{worst.ratio:.2f} of target on {ready} ready; "
+                                               f"awaiting {starting} starting replica(s)")
+            return policy.clamp(current), (f"{worst.what} is x{worst.ratio:.2f} of target; "
+                                           f"the {ready} ready replicas drain it")
         limited = min(wanted, scale_up_limit(current))
         step = "" if limited == wanted else f", one step is limited to {limited}"
         return policy.clamp(limited), f"{worst.what} is x{worst.ratio:.2f} of target{step}"
-    kv = next((s for s in signals if s.what.startswith("KV usage")), None)
-    if comfortable and kv is not None:
-        wanted = min(current, math.ceil(base * kv.ratio))
-        return policy.clamp(max(wanted, scale_down_limit(current))), f"{kv.what}, latency targets comfortably met"
     if not comfortable:
         return policy.clamp(current), "load within the targets' tolerance band"
-    return policy.clamp(current), "targets met; no KV usage to size a scale-down by"
+    # Comfortable: the largest size that KV usage and the running signal project.
+    projections = []
+    for signal in signals:
+        if signal.kind == KV:
+            projections.append((math.ceil(base * signal.ratio), signal.what))
+        elif signal.kind == RUNNING:
+            assert signal.needed is not None
+            # The tolerance also applies downwards: a size within it of the need is enough.
+            projections.append((math.ceil(signal.needed - policy.tolerance), signal.what))
+    if not projections:
+        return policy.clamp(current), "targets met; no KV usage or running share to size a scale-down by"
+    wanted, what = max(projections)
+    wanted = min(current, wanted)
+    return policy.clamp(max(wanted, scale_down_limit(current))), f"{what}, latency targets comfortably met"
 
 
 def _remember(history: Sequence[Recommendation], record: Recommendation, policy: AutoscalingPolicy,

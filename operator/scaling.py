@@ -81,6 +81,9 @@ def settings_from_spec(spec: Mapping[str, Any]) -> Optional[AutoscalingSettings]
             scale_up_stabilization_s=parse_duration((raw.get("scaleUp") or {}).get("stabilizationWindow") or "0s"),
             scale_down_stabilization_s=parse_duration(
                 (raw.get("scaleDown") or {}).get("stabilizationWindow") or "5m"),
+            running_share_target=raw.get("runningShareTarget"),
+            headroom_replicas=float(raw.get("headroomReplicas", 0.0)),
+            target_utilization=float(raw.get("targetUtilization", 0.8)),
         )
     except ValueError as exc:
         raise ValueError(f"spec.autoscaling: {exc}") from None
@@ -99,19 +102,34 @@ def ttft_targets(lanes: list[ServingLane]) -> dict[str, float]:
 
 def queries(model: str, window_s: float, namespace: Optional[str] = None) -> dict[str, str]:
     """The PromQL of one autoscaling sample, by name: series of `model` in the ModelService's
-    namespace only (two ModelServices serving one model name must not mix)."""
+    namespace only (two ModelServices serving one model name must not mix). The rates cover
+    the window; `waiting` and `running` are the load now, averaged over the last quarter of
+    the window (autoscaler.LOAD_NOW_SHARE: one scrape alone is noisy, the whole window lags), which the
+    decision's running and queue signals need (operator/autoscaler.py)."""
     pairs = {"model": model, **({"namespace": namespace} if namespace else {})}
     for key, value in pairs.items():
         if not _LABEL_VALUE_RE.match(value):
             raise ValueError(f"label value for {key!r} may not contain quotes, backslashes or newlines")
     m = ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items()))
     w = f"{max(1, int(round(window_s)))}s"
+    recent = f"{max(1, int(round(window_s * autoscaler.LOAD_NOW_SHARE)))}s"
     return {
         "queue_delay_p95": (f"histogram_quantile(0.95, sum by (le, lane) "
                             f"(rate({PREFIX}queue_delay_seconds_bucket{{{m}}}[{w}])))"),
         "requests": f"sum by (lane) (rate({PREFIX}requests_total{{{m}}}[{w}]))",
         "ttft_buckets": f"sum by (lane, le) (rate({PREFIX}time_to_first_token_seconds_bucket{{{m}}}[{w}]))",
         "kv_usage": f"avg(avg_over_time({PREFIX}kv_cache_usage_ratio{{{m}}}[{w}]))",
+        # Requests that ended admitted (any outcome but a refusal): what the replicas served.
+        "served": f'sum by (lane) (rate({PREFIX}requests_total{{{m},outcome!~"rejected|invalid"}}[{w}]))',
+        # Arrivals = requests that ended (served or refused) + the growth of those in the system.
+        "ended": f'sum by (lane) (rate({PREFIX}requests_total{{{m},outcome!="invalid"}}[{w}]))',
+        "waiting_growth": f"sum by (lane) (delta({PREFIX}requests_waiting{{{m}}}[{w}]))",
+        "running_growth": f"sum by (lane) (delta({PREFIX}requests_running{{{m}}}[{w}]))",
+        "waiting": f"sum by (lane) (avg_over_time({PREFIX}requests_waiting{{{m}}}[{recent}]))",
+        "running": f"avg by (lane) (avg_over_time({PREFIX}requests_running{{{m}}}[{recent}]))",
+        "max_active": f'avg by (lane) ({PREFIX}lane_budget{{{m},budget="maxActiveSequences"}})',
+        # The replicas exporting metrics, averaged over the window: what served the rates above.
+        "serving_replicas": f"avg_over_time(count({PREFIX}kv_cache_usage_ratio{{{m}}})[{w}:])",
     }
 
 
@@ -143,14 +161,32 @@ def fleet_sample(results: Mapping[str, list[Series]], at: float, window_s: float
             continue
         if not math.isnan(le):
             buckets.setdefault(series.labels.get("lane", ""), []).append((le, series.value or 0.0))
+    load = {name: _by_lane(results, name) for name in
+            ("served", "ended", "waiting_growth", "running_growth", "waiting", "running", "max_active")}
     lanes = {}
     for lane in sorted((set(rates) | set(delays)) - {""}):
         target = targets_s.get(lane)
         attainment = None if target is None else _attainment(buckets.get(lane, []), rates.get(lane, 0.0), target)
+        waiting = load["waiting"].get(lane)
+        arrivals = None
+        if lane in load["ended"]:
+            growth = load["waiting_growth"].get(lane, 0.0) + load["running_growth"].get(lane, 0.0)
+            arrivals = max(0.0, load["ended"][lane] + growth / window_s)
+        running, max_active = load["running"].get(lane), load["max_active"].get(lane)
+        share = running / max_active if running is not None and max_active else None
         lanes[lane] = LaneSample(request_rate=rates.get(lane, 0.0), queue_delay_p95_s=delays.get(lane),
-                                 slo_attainment=attainment)
+                                 slo_attainment=attainment, waiting=waiting, arrival_rate=arrivals,
+                                 served_rate=load["served"].get(lane) if waiting is not None else None,
+                                 running_share=share)
     kv = results.get("kv_usage", [])
-    return FleetSample(at=at, window_s=window_s, lanes=lanes, kv_usage=kv[0].value if kv else None)
+    serving = results.get("serving_replicas", [])
+    return FleetSample(at=at, window_s=window_s, lanes=lanes, kv_usage=kv[0].value if kv else None,
+                       serving_replicas=serving[0].value if serving else None)
+
+
+def _by_lane(results: Mapping[str, list[Series]], name: str) -> dict[str, float]:
+    """lane -> value of one per-lane query (series without a value left out)."""
+    return {s.labels.get("lane", ""): s.value for s in results.get(name, []) if s.value is not None}
 
 
 async def read_prometheus(url: str, model: str, window_s: float, targets_s: Mapping[str, float], *,

@@ -262,12 +262,21 @@ def model_service_spec() -> dict:
                                         default=True),
             "enablePrefixCaching": _bool("Share KV blocks of common prompt prefixes.", default=True),
             "device": _str("auto, cpu or cuda.", default="auto", enum=["auto", "cpu", "cuda"]),
+            "cpuComputeDtype": _str("Dtype of the dense layers on the CPU: auto = float32 when the CPU has no "
+                                    "native bf16/fp16 matmul, model = the model dtype, float32. The KV cache "
+                                    "keeps the model dtype.", default="auto", enum=["auto", "model", "float32"]),
             "attentionBackend": _str("auto = Triton on CUDA, torch reference on CPU.", default="auto",
                                      enum=["auto", "torch", "triton"]),
+            "cudaGraphs": _bool("Replay CUDA graphs recorded at start-up for decode steps (needs CUDA and the "
+                                "triton attention backend).", default=False),
+            "cudaGraphMaxBatch": _int("Largest decode batch with a CUDA graph; larger batches run eager.",
+                                      default=64, minimum=1, maximum=512),
             "executor": _str("model runs the weights; simulated uses a cost model (benchmarks).", default="model",
                              enum=["model", "simulated"]),
             "simulatorProfile": _str("Cost-model profile for executor=simulated.", max_length=128),
             "seed": _int("Sampling seed of the engine.", default=0, minimum=0),
+            "cpuThreads": _int("torch compute threads of the engine on the CPU; unset = one per usable core.",
+                               minimum=1, maximum=1024),
         },
         defaulted=True,
         rules=[("self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256]", "blockSize must be a power of two")],
@@ -422,6 +431,14 @@ def _autoscaling() -> dict:
             "scaleDown": stabilization("scale-down", "highest", "5m"),
             "kvUsageTarget": _num("Average KV-cache usage over the pods to size for.", default=0.75, minimum=0,
                                   maximum=1, exclusive_minimum=True),
+            "runningShareTarget": _num("A lane's running sequences per pod, as a share of its maxActiveSequences, "
+                                       "at which a pod counts as fully loaded (unset: not checked).", minimum=0,
+                                       maximum=1, exclusive_minimum=True),
+            "headroomReplicas": _num("Spare capacity, in pods, on top of what the running share measures "
+                                     "(default 0).", minimum=0, maximum=1000),
+            "targetUtilization": _num("Share of their measured throughput that saturated pods run at after a "
+                                      "scale-up sized by the queue (default 0.8).", minimum=0, maximum=1,
+                                      exclusive_minimum=True),
             "lanes": {"type": "array", "description": "Per-lane targets.", "maxItems": 64,
                       "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["lane"], "items": lane},
         },

@@ -1,7 +1,10 @@
 """The asyncio front of the engine, for the HTTP server.
 
-A background task runs the step loop; each `LLMEngine.step()` runs in one dedicated worker
-thread so the event loop stays responsive while the model computes. Each request gets a
+The step loop runs in one dedicated thread, step after step, so the event loop stays
+responsive while the model computes; it hands each step's outputs to the event loop
+(`call_soon_threadsafe`) and goes straight on to the next step, never waiting for the loop
+(a hand-off per step left the step thread idle for a loop wake-up each time:
+`python -m tokenlane.runtime.bench.step_profile --http`, "loop gap"). Each request gets a
 `RequestStream` (an async iterator over its `RequestOutput`s, backed by an asyncio queue).
 `submit` runs admission synchronously (so the server can answer 429/503 at once); `abort`
 takes effect at the next step boundary, where the request's KV blocks are freed.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Optional
 
@@ -61,7 +65,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._streams: dict[str, RequestStream] = {}
-        self._wakeup: Optional[asyncio.Event] = None
+        self._wakeup = threading.Event()  # set on new work for the step thread
+        self._halt = False  # the step thread stops after its current step (shutdown timed out)
         self._task: Optional[asyncio.Task] = None
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._stopping = False
@@ -89,7 +94,6 @@ class AsyncEngine:
     async def start(self) -> None:
         if self._task is not None:
             return
-        self._wakeup = asyncio.Event()
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenlane-step")
         self._task = asyncio.create_task(self._run(), name="tokenlane-engine-loop")
         self.started = True
@@ -170,38 +174,43 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop
 
     def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._wakeup.set()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        engine = self.engine
         try:
-            while True:
-                if self._stopping and not engine.has_unfinished_requests():
-                    break
-                if not engine.has_pending_work():
-                    self._wakeup.clear()
-                    if not engine.has_pending_work():  # re-check: a submit may have raced
-                        try:
-                            await asyncio.wait_for(self._wakeup.wait(), self.idle_tick_s)
-                        except asyncio.TimeoutError:
-                            pass
-                        continue
-                outputs = await loop.run_in_executor(self._worker, engine.step)
-                self._dispatch(outputs)
-                if engine.last_step_tokens == 0 and engine.has_unfinished_requests():
-                    # Work exists but none could run (e.g. waiting on memory): don't spin.
-                    self._wakeup.clear()
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), self.idle_tick_s / 10)
-                    except asyncio.TimeoutError:
-                        pass
+            await loop.run_in_executor(self._worker, self._step_loop, loop)
+        except asyncio.CancelledError:
+            self._halt = True  # shutdown gave up waiting: no step after the current one
+            raise
         except Exception as exc:  # the executor is broken: fail loudly, stay down
             log.exception("engine loop crashed")
             self.healthy = False
             self.error = exc
             self._fail_streams(f"engine error: {exc}")
+
+    def _step_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The step thread: steps while there is work, each step's outputs handed to the event
+        loop in order; sleeps on `_wakeup` (or the idle tick, for queue timeouts) otherwise."""
+        engine, wakeup = self.engine, self._wakeup
+        while not self._halt:
+            if self._stopping and not engine.has_unfinished_requests():
+                return
+            if not engine.has_pending_work():
+                wakeup.clear()
+                if not engine.has_pending_work():  # re-check: a submit may have raced
+                    wakeup.wait(self.idle_tick_s)
+                continue
+            outputs = engine.step()
+            if outputs:
+                try:
+                    loop.call_soon_threadsafe(self._dispatch, outputs)
+                except RuntimeError:  # the event loop is closed: nobody is left to serve
+                    return
+            if engine.last_step_tokens == 0 and engine.has_unfinished_requests():
+                # Work exists but none could run (e.g. waiting on memory): don't spin.
+                wakeup.clear()
+                wakeup.wait(self.idle_tick_s / 10)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         streams = self._streams

@@ -34,6 +34,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXECUTORS = ("model", "simulated")
+CPU_COMPUTE_DTYPES = ("auto", "model", "float32")  # engine.cpuComputeDtype (runtime/cpu_dense.py)
+MAX_CUDA_GRAPH_BATCH = 512  # engine.cudaGraphMaxBatch: static buffers and start-up grow with it
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -272,13 +274,24 @@ class EngineConfig:
     continuous_batching: bool = True  # false = request-level static batching (rollback lever)
     enable_prefix_caching: bool = True
     device: str = "auto"
+    # The CPU's dense-layer dtype; auto = float32 when the CPU has no native bf16/fp16 matmul.
+    # The KV cache keeps the model dtype either way.
+    cpu_compute_dtype: str = "auto"
     attention_backend: str = "auto"  # auto = triton on CUDA, torch reference on CPU
+    # Decode steps replay CUDA graphs recorded at start-up (runtime/cuda_graphs.py); off until
+    # measured on a GPU. Batches above cudaGraphMaxBatch sequences run eager.
+    cuda_graphs: bool = False
+    cuda_graph_max_batch: int = 64
     executor: str = "model"  # simulated = cost-model step times (benchmarks, no weights run)
     simulator_profile: Optional[str] = None  # cost-model profile name for executor=simulated
     seed: int = 0
+    # torch compute threads of the engine on the CPU; unset = auto (docs/configuration.md).
+    cpu_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check(1 <= self.block_size <= 256, "blockSize", f"must be in [1, 256], got {self.block_size}")
+        _check(self.cpu_threads is None or 1 <= self.cpu_threads <= 1024, "cpuThreads",
+               f"must be in [1, 1024], got {self.cpu_threads}")
         _check(
             self.block_size & (self.block_size - 1) == 0,
             "blockSize",
@@ -293,10 +306,28 @@ class EngineConfig:
         _positive(self.cpu_kv_cache_gib, "cpuKvCacheGib")
         _check(self.device in DEVICES, "device", f"must be one of {DEVICES}")
         _check(
+            self.cpu_compute_dtype in CPU_COMPUTE_DTYPES,
+            "cpuComputeDtype",
+            f"must be one of {CPU_COMPUTE_DTYPES}, got {self.cpu_compute_dtype!r}",
+        )
+        _check(
             self.attention_backend in ATTENTION_BACKENDS,
             "attentionBackend",
             f"must be one of {ATTENTION_BACKENDS}",
         )
+        _check(
+            1 <= self.cuda_graph_max_batch <= MAX_CUDA_GRAPH_BATCH,
+            "cudaGraphMaxBatch",
+            f"must be in [1, {MAX_CUDA_GRAPH_BATCH}], got {self.cuda_graph_max_batch}",
+        )
+        if self.cuda_graphs:
+            _check(self.device != "cpu", "cudaGraphs", "needs a CUDA device, but engine.device is cpu")
+            _check(
+                self.attention_backend != "torch",
+                "cudaGraphs",
+                "needs the triton attention backend (auto or triton): the torch path syncs with "
+                "the host inside the forward pass",
+            )
         _check(self.executor in EXECUTORS, "executor", f"must be one of {EXECUTORS}")
 
 

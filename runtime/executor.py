@@ -19,7 +19,10 @@ from typing import Optional
 import torch
 
 from tokenlane.kernels.api import resolve_backend
+from tokenlane.runtime.batch_inputs import BatchInputBuilder, chunk_token_ids
 from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.cpu_dense import select_compute_dtype
+from tokenlane.runtime.cuda_graphs import make_decode_runner
 from tokenlane.runtime.model import AttentionMetadata, CausalLM, kv_cache_bytes_per_block
 from tokenlane.runtime.plan import ExecutorOutput, ScheduledChunk, StepPlan
 from tokenlane.runtime.request import TokenLogprob
@@ -72,6 +75,15 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def place_cpu_threads(setting: Optional[int], device: torch.device) -> int:
+    """engine.cpuThreads: torch's compute threads when the engine runs on the CPU (process
+    wide: the engine is the process's only torch user). Unset leaves torch's own count, one
+    per core it may use. Returns the count in force."""
+    if device.type == "cpu" and setting is not None:
+        torch.set_num_threads(setting)
+    return torch.get_num_threads()
+
+
 class ModelExecutor:
     """Implements the `Executor` protocol (runtime/plan.py) with the real model."""
 
@@ -83,10 +95,16 @@ class ModelExecutor:
         self.dtype = select_dtype(config.model.dtype, self.device)
         self.block_size = config.engine.block_size
         self.backend = resolve_backend(config.engine.attention_backend, self.device)
+        self.cpu_threads = place_cpu_threads(config.engine.cpu_threads, self.device)
         model_path = Path(config.model.path)
         if not model_path.is_dir():
             raise ValueError(f"model.path {config.model.path!r} is not a folder")
-        self.model = CausalLM.from_pretrained(model_path, dtype=self.dtype, device=self.device)
+        # On a CPU without native bf16/fp16 matmul the dense layers compute in float32; the KV
+        # cache below keeps the model dtype (runtime/cpu_dense.py).
+        self.compute_dtype = select_compute_dtype(config.engine.cpu_compute_dtype, self.dtype, self.device)
+        self.model = CausalLM.from_pretrained(
+            model_path, dtype=self.compute_dtype, device=self.device, weight_dtype=self.dtype
+        )
         self.args = self.model.args
         self.vocab_size = self.args.vocab_size
         self.eos_token_id: Optional[int] = self.args.eos_token_id
@@ -115,6 +133,16 @@ class ModelExecutor:
         self.sampler = Sampler(self.device, seed=config.engine.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers()  # structured output: a matcher per constrained request
+        # The flat batch of each step (runtime/batch_inputs.py): fresh prefills go straight to
+        # SDPA with the torch backend, so they come last and skip the block tables.
+        self.inputs = BatchInputBuilder(self.block_size, self.max_model_len, self.device, self.backend,
+                                        sdpa_fresh_prefill=self.backend == "torch")
+        # engine.cudaGraphs: decode steps replay graphs recorded here (runtime/cuda_graphs.py).
+        self.decode_runner = make_decode_runner(
+            config.engine.cuda_graphs, self.model, self.kv_caches, block_size=self.block_size,
+            max_model_len=self.max_model_len, max_batch=config.engine.cuda_graph_max_batch,
+            backend=self.backend, device=self.device,
+        )
 
     # ---- KV pool sizing
 
@@ -181,6 +209,9 @@ class ModelExecutor:
         for request in plan.finished:
             self.generators.pop(request.request_id, None)
             self.grammars.release(request.request_id)
+            self.inputs.release(request.request_id)
+        for request in plan.preempted:  # its blocks went back to the pool
+            self.inputs.release(request.request_id)
         output = ExecutorOutput()
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
@@ -208,7 +239,7 @@ class ModelExecutor:
             return True  # generated tokens: the sampler's own, in the vocabulary
         # Prompt tokens (the engine's admission checks them too; an id outside the table
         # would be a device-side assert on CUDA, fatal to every request).
-        ids = self._chunk_token_ids(chunk)
+        ids = chunk_token_ids(chunk)
         if request.sampling_params.prompt_logprobs is not None and end < request.num_prompt_tokens:
             ids = ids + [request.prompt_token_ids[end]]  # scored by this chunk's last row
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -218,17 +249,6 @@ class ModelExecutor:
             )
             return False
         return True
-
-    @staticmethod
-    def _chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
-        request, start, n = chunk.request, chunk.start, chunk.num_tokens
-        prompt = request.prompt_token_ids
-        if start + n <= len(prompt):
-            return prompt[start : start + n]
-        if start >= len(prompt):
-            out_start = start - len(prompt)
-            return request.output_token_ids[out_start : out_start + n]
-        return (prompt + request.output_token_ids)[start : start + n]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst, every layer, before the step's forward pass (so
@@ -240,97 +260,29 @@ class ModelExecutor:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
+    def _forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+        """The model's logits of `logits_indices`; a decode batch the decode runner (CUDA
+        graphs) can take replays its graph instead of running eager."""
+        runner = self.decode_runner
+        if runner is not None and runner.can_run(input_ids.shape[0], meta, logits_indices.shape[0]):
+            return runner.run(input_ids, positions, meta, logits_indices)
+        return self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+
     def _run(self, chunks: list[ScheduledChunk], output: ExecutorOutput) -> None:
-        use_sdpa = self.backend == "torch"
-        # Paged chunks first (decodes, chunks with cached context), then fresh prefills.
-        if use_sdpa:
-            paged = [c for c in chunks if c.start > 0]
-            fresh = [c for c in chunks if c.start == 0]
-        else:
-            paged, fresh = chunks, []
-        ordered = paged + fresh
-        bs = self.block_size
-
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_rows: list[int] = []
-        sampled_chunks: list[ScheduledChunk] = []
-        # Prompt logprobs: the rows (positions) whose logits score the next prompt token.
-        prompt_rows: list[int] = []
-        prompt_targets: list[int] = []  # the prompt token each of those rows scores
-        prompt_ks: list[int] = []
-        prompt_spans: list[tuple[str, int, int]] = []  # (request id, first token scored, count)
-        offset = 0
-        for c in ordered:
-            n, start = c.num_tokens, c.start
-            token_ids += self._chunk_token_ids(c)
-            blocks = c.request.block_ids
-            if n == 1:
-                positions.append(start)
-                slots.append(blocks[start // bs] * bs + start % bs)
-            else:
-                rng = range(start, start + n)
-                positions += rng
-                slots += [blocks[p // bs] * bs + p % bs for p in rng]
-            seq_lens.append(start + n)
-            query_lens.append(n)
-            k = c.request.sampling_params.prompt_logprobs
-            if k is not None:
-                prompt = c.request.prompt_token_ids
-                # Position p scores prompt token p + 1: positions lo .. end - 1 here, past
-                # the tokens already scored (a recomputation after a preemption has them).
-                lo = max(start, len(c.request.prompt_logprobs) - 1)
-                end = min(start + n, len(prompt) - 1)
-                if end > lo:
-                    prompt_rows += range(offset + lo - start, offset + end - start)
-                    prompt_targets += prompt[lo + 1 : end + 1]
-                    prompt_ks += [k] * (end - lo)
-                    prompt_spans.append((c.request.request_id, lo + 1, end - lo))
-            offset += n
-            if c.sample:
-                logits_rows.append(offset - 1)
-                sampled_chunks.append(c)
-
+        inputs = self.inputs.build(chunks)
+        input_ids, pos, meta = inputs.input_ids, inputs.positions, inputs.meta
         dev = self.device
-        n_paged_seqs = len(paged)
-        n_paged_tokens = sum(query_lens[:n_paged_seqs])
-        if n_paged_seqs:
-            max_blocks = max(-(-seq_lens[i] // bs) for i in range(n_paged_seqs))
-            table = [c.request.block_ids[:max_blocks] for c in paged]
-            table = [row + [0] * (max_blocks - len(row)) for row in table]
-            block_tables = torch.tensor(table, dtype=torch.int32, device=dev)
-            qsl = [0]
-            for q in query_lens[:n_paged_seqs]:
-                qsl.append(qsl[-1] + q)
-        else:
-            block_tables = torch.zeros((0, 1), dtype=torch.int32, device=dev)
-            qsl = [0]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=block_tables,
-            seq_lens=torch.tensor(seq_lens[:n_paged_seqs], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            num_paged_tokens=n_paged_tokens,
-            max_query_len=max(query_lens[:n_paged_seqs], default=0),
-            max_seq_len=max(seq_lens[:n_paged_seqs], default=0),
-            fresh_query_lens=query_lens[n_paged_seqs:],
-            all_seq_lens=seq_lens,
-            all_query_lens=query_lens,
-            backend=self.backend,
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        rows = logits_rows + prompt_rows
+        sampled_chunks, prompt_targets = inputs.sampled_chunks, inputs.prompt_targets
+        prompt_ks, prompt_spans = inputs.prompt_ks, inputs.prompt_spans
+        rows = inputs.logits_rows
+        prompt_rows = rows[inputs.num_sampled:]
         if not rows:
             # Prefill chunks that stop inside their prompts: K/V only, no logits needed.
             self.model(input_ids, pos, self.kv_caches, meta, torch.zeros(0, dtype=torch.long, device=dev))
             return
         # One forward pass: logits of the sampling rows first, then the prompt-logprob rows.
-        logits = self.model(input_ids, pos, self.kv_caches, meta, torch.tensor(rows, dtype=torch.long, device=dev))
-        num_sampled = len(logits_rows)
+        logits = self._forward(input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev))
+        num_sampled = inputs.num_sampled
         tokens: list[int] = []
         if sampled_chunks:
             params = [c.request.sampling_params for c in sampled_chunks]

@@ -4,7 +4,9 @@ Reads a local Hugging Face checkpoint: config.json through transformers' `AutoCo
 (so old `rope_scaling` and new `rope_parameters` formats both work) and the weights with
 the `safetensors` library. The math mirrors transformers' modeling code operation by
 operation (RMSNorm in float32, rotate-half RoPE, SwiGLU, residual adds in the model dtype),
-which is what lets the tests require token-for-token equality with `generate()`.
+which is what lets the tests require token-for-token equality with `generate()`. On the
+CPU, `runtime/cpu_dense.py` picks the compute dtype (float32 for a bf16/fp16 model where the
+CPU has no native low-precision matmul) and runs the LM head through oneDNN.
 
 Attention reads and writes the paged cache only through `tokenlane.kernels`
 (`write_kv_cache`, `paged_attention`) on a flat batch: all sequences' tokens of a step in
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenlane.kernels import api as kernels
+from tokenlane.runtime.cpu_dense import prepack_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -206,6 +209,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos) + (_rotate_half(x) * sin)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [T, D] with the first half negated: rotate_half's sign folded into the table."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """`apply_rope` in place, with `sin_signed = signed_sin(sin)`: the same products and
+    sums (negating a factor is exact), two temporaries fewer."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    rotated.mul_(sin_signed[:, None, :])
+    x.mul_(cos[:, None, :]).add_(rotated)
+
+
 # --------------------------------------------------------------------------- batch metadata
 
 
@@ -243,6 +261,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:
+            # The same ops without the dtype round trips, and in place where the tensor is ours.
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps))
+            return h.mul_(self.weight)
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.eps)
@@ -270,18 +292,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        # q and k are adjacent columns of qkv: one in-place rotation covers both heads' sets.
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        apply_rope_(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
 
-        out = torch.empty_like(q)
+        out = torch.empty((T, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         n_paged = meta.num_paged_tokens
         if n_paged:
+            q_paged = q[:n_paged]
+            if meta.backend == "triton" and q.dtype != key_cache.dtype:
+                # A float32-compute model over a lower-precision cache (runtime/cpu_dense.py):
+                # the Triton kernels take one dtype; the torch paths upcast the cache instead.
+                q_paged = q_paged.to(key_cache.dtype)
             kernels.paged_attention(
-                q[:n_paged],
+                q_paged,
                 key_cache,
                 value_cache,
                 meta.block_tables,
@@ -317,7 +345,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -328,9 +356,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, cos, sin_signed, kv_cache, meta):
+        # Residual adds into the sublayers' fresh outputs (a + x == x + a exactly).
+        h = self.self_attn(self.input_layernorm(x), cos, sin_signed, kv_cache, meta).add_(x)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class CausalLM(nn.Module):
@@ -361,8 +390,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, meta.all_seq_lens, meta.all_query_lens, x.dtype)
+        sin_signed = signed_sin(sin)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin_signed, kv_cache, meta)
         # Norm and LM head only where a token is sampled: the head is the largest matmul.
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
@@ -371,8 +401,18 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        *,
+        weight_dtype: Optional[torch.dtype] = None,
+        prepack: bool = True,
     ) -> "CausalLM":
+        """`dtype` is the compute dtype. `weight_dtype` (default: `dtype`) is the model's own
+        dtype: weights are rounded to it first, so a bf16 model computed in float32 on the CPU
+        (runtime/cpu_dense.py) keeps bf16 weights. `prepack`: on the CPU, large float32
+        linears (the LM head) run through oneDNN with prepacked weights."""
         device = torch.device(device)
         hf_config = load_hf_config(path)
         args = model_args_from_hf(hf_config)
@@ -383,7 +423,17 @@ class CausalLM(nn.Module):
         model.tie_weights()
         model.rotary = RotaryEmbedding(hf_config, args.head_dim, args.max_position_embeddings, device)
         model.load_weights(path)
+        if weight_dtype is not None and weight_dtype != dtype:
+            model.round_weights(weight_dtype)
+        if prepack and device.type == "cpu":
+            model.lm_head = prepack_linear(model.lm_head)
         return model.eval()
+
+    @torch.no_grad()
+    def round_weights(self, weight_dtype: torch.dtype) -> None:
+        """Round every weight to `weight_dtype`, keeping the tensors' own dtype."""
+        for param in self.parameters():
+            param.copy_(param.to(weight_dtype))
 
     def load_weights(self, path: str | Path) -> None:
         from safetensors import safe_open

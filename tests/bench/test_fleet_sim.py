@@ -132,22 +132,27 @@ def test_the_autoscaler_stays_in_bounds_and_new_replicas_wait_for_their_start_up
     assert sorted(r.index for r in result.run.records) == list(range(len(traffic.requests)))
 
 
-def test_the_autoscaler_does_not_add_while_replicas_are_starting():
-    """A latency overload grows while new replicas start; the decision waits for them
-    instead of reading the growing backlog as missing capacity (no overshoot)."""
+def test_a_backlog_that_the_ready_replicas_drain_adds_no_replicas():
+    """The queue signal sizes by arrivals against throughput. Once every replica is ready, the
+    backlog left on the first one (a request never moves) keeps the queue over its target for
+    a while; it is not read as missing capacity (no overshoot), and it blocks a scale-down."""
+    config = small_config()
+    # Four running sequences at most: a burst queues at once.
+    config = dataclasses.replace(config, lanes=[dataclasses.replace(lane, max_active_sequences=4)
+                                                if lane.name == "interactive" else lane for lane in config.lanes])
     traffic = short_traffic(duration_s=8.0, rate_rps=2.0, bursts=[Burst(1.0, 5.0, 80.0)])
-    latency_only = AutoscalingPolicy(min_replicas=1, max_replicas=8, kv_usage_target=None, min_requests=5,
-                                     lanes=(LaneScalingTarget("interactive", queue_delay_p95_s=0.05),),
-                                     scale_down_stabilization_s=30.0)
-    scaling = AutoscaleSettings(policy=latency_only, interval_s=0.5, window_s=1.0, startup_delay_s=3.0)
-    result = simulate_fleet(small_config(), traffic, replicas=1, policy=ROUTER, autoscale=scaling)
+    queue_only = AutoscalingPolicy(min_replicas=1, max_replicas=16, kv_usage_target=None, min_requests=5,
+                                   lanes=(LaneScalingTarget("interactive", queue_delay_p95_s=0.05),),
+                                   scale_down_stabilization_s=30.0)
+    scaling = AutoscaleSettings(policy=queue_only, interval_s=0.5, window_s=1.0, startup_delay_s=3.0)
+    result = simulate_fleet(config, traffic, replicas=1, policy=ROUTER, autoscale=scaling)
     ups = [d for d in result.decisions if d["action"] == "up"]
-    assert ups, "the burst never scaled the fleet up"
-    starting = [d for d in result.decisions if d["ready"] < d["current"]]
-    assert starting, "no decision saw a replica starting"
-    assert all(d["desired"] <= d["current"] for d in starting), starting
-    assert any("awaiting" in d["reason"] for d in starting)
-    assert result.run.extra["replicas_active_peak"] < latency_only.max_replicas
+    assert ups and all("waiting" in d["reason"] for d in ups), ups
+    all_ready = [d for d in result.decisions if d["ready"] == d["current"] and d["at"] > ups[-1]["at"]]
+    draining = [d for d in all_ready if "drain" in d["reason"]]
+    assert draining, "the backlog never outlasted the start-up"
+    assert all(d["action"] == "hold" for d in all_ready), all_ready
+    assert sorted(r.index for r in result.run.records) == list(range(len(traffic.requests)))
 
 
 def test_ramp_traffic_ramps_holds_and_ramps_down():

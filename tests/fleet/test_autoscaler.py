@@ -237,3 +237,137 @@ def test_proportional_scale_up_rounds_up():
     # queue delay 1.25 x target on 8 replicas -> ceil(10) = 10
     decision = decide(POLICY, 8, sample(queue_delay=0.625), (), NOW)
     assert decision.desired == math.ceil(8 * 1.25)
+
+
+# --------------------------------------------------------------------------- the load now
+
+# The sample carries the load now (waiting requests, arrivals against throughput, running
+# share): the running and queue signals judge the lane, and its ended requests' latencies only
+# block a scale-down.
+NOW_POLICY = AutoscalingPolicy(
+    min_replicas=1,
+    max_replicas=20,
+    lanes=(LaneScalingTarget("interactive", queue_delay_p95_s=0.25, slo_attainment=0.97),),
+    kv_usage_target=0.75,
+    scale_down_stabilization_s=300.0,
+    running_share_target=0.4,
+    headroom_replicas=0.5,
+)
+
+
+def now_sample(share=0.1, waiting=0.0, arrivals=10.0, served=10.0, attainment=0.99, ready_replicas=None,
+               at=NOW) -> FleetSample:
+    return FleetSample(at=at, window_s=60.0, kv_usage=None, ready_replicas=ready_replicas, lanes={
+        "interactive": LaneSample(request_rate=served, queue_delay_p95_s=9.0, slo_attainment=attainment,
+                                  waiting=waiting, arrival_rate=arrivals, served_rate=served, running_share=share)})
+
+
+@pytest.mark.parametrize("name, current, the_sample, history, desired, action, says", [
+    # 1 x sqrt(0.6 / 0.4) + 0.5 = 1.72 replicas
+    ("running share x1.5 of target: up, with the headroom", 1, now_sample(share=0.6), (), 2, UP, "running share"),
+    # 1 x sqrt(0.22 / 0.4) + 0.5 = 1.24: one replica at 74% of its target has too little spare
+    ("one replica at 74% of target: the headroom adds one", 1, now_sample(share=0.22), (), 2, UP, "headroom"),
+    # 2 x 0.74 + 0.5 = 1.98: two replicas at the same load keep enough spare between them
+    ("two replicas at 74% of target: hold", 2, now_sample(share=0.22), covered(1, NOW_POLICY), 2, HOLD,
+     "running share"),
+    # the share is capped at 1 when saturated; the square root keeps the step from overshooting,
+    # and a need within the tolerance (0.1) of a whole replica rounds down
+    ("one saturated replica: sqrt(1 / 0.4) + 0.5 = 2.08", 1, now_sample(share=1.0), (), 2, UP, "running share"),
+    ("queue saturating 2 replicas: arrivals / (served x 0.8)", 2,
+     now_sample(share=0.3, waiting=100, arrivals=30.0, served=20.0), (), 4, UP, "100 waiting"),
+    ("a queue the ready replicas drain: hold", 3, now_sample(share=0.2, waiting=100, arrivals=20.0, served=40.0),
+     (), 3, HOLD, "drain"),
+    ("a queue while replicas start: they cover it", 3,
+     now_sample(share=0.3, waiting=100, arrivals=30.0, served=20.0, ready_replicas=1), (), 3, HOLD,
+     "awaiting 2 starting"),
+    ("waiting but nothing served: one more than ready", 2, now_sample(share=1.0, waiting=50, served=0.0,
+                                                                      arrivals=5.0), (), 4, UP, "running share"),
+    ("the old queue delay p95 is ignored when the queue is measured", 2, now_sample(share=0.05), (), 2, HOLD,
+     "holding"),
+    ("low SLO attainment blocks a scale-down", 4, now_sample(share=0.01, attainment=0.9), covered(1, NOW_POLICY), 4,
+     HOLD, "tolerance band"),
+    # 3 x sqrt(0.02 / 0.4) + 0.5 = 1.17 -> ceil(1.17 - tolerance) = 2
+    ("quiet for the whole window: down to the running projection", 3, now_sample(share=0.02),
+     covered(1, NOW_POLICY), 2, DOWN, "scale down"),
+])
+def test_load_now_decisions(name, current, the_sample, history, desired, action, says):
+    decision = decide(NOW_POLICY, current, the_sample, history, NOW)
+    assert (decision.desired, decision.action) == (desired, action), decision.reason
+    assert says in decision.reason, decision.reason
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"running_share_target": 0.0}, "runningShareTarget"),
+    ({"running_share_target": 1.5}, "runningShareTarget"),
+    ({"headroom_replicas": -1.0}, "headroomReplicas"),
+    ({"target_utilization": 0.0}, "targetUtilization"),
+])
+def test_load_now_policy_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AutoscalingPolicy(min_replicas=1, max_replicas=3, **kwargs)
+
+
+now_policies = st.builds(
+    lambda lo, span, down, share, headroom: AutoscalingPolicy(
+        min_replicas=lo, max_replicas=lo + span, lanes=NOW_POLICY.lanes, scale_down_stabilization_s=down,
+        running_share_target=share, headroom_replicas=headroom),
+    st.integers(1, 5), st.integers(0, 30), st.sampled_from([0.0, 120.0, 300.0]), st.floats(0.05, 1.0),
+    st.floats(0.0, 3.0),
+)
+now_lane_samples = st.builds(LaneSample, request_rate=st.floats(0, 50), slo_attainment=st.floats(0, 1),
+                             waiting=st.floats(0, 1000), arrival_rate=st.one_of(st.none(), st.floats(0, 100)),
+                             served_rate=st.one_of(st.none(), st.floats(0, 100)),
+                             running_share=st.one_of(st.none(), st.floats(0, 1)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=now_policies, current=st.integers(0, 60), history=histories, lane=now_lane_samples,
+       ready_now=st.one_of(st.none(), st.integers(0, 60)), kv=st.one_of(st.none(), st.floats(0, 1)))
+def test_load_now_within_bounds_and_steps(policy, current, history, lane, ready_now, kv):
+    the_sample = FleetSample(at=NOW, window_s=60.0, lanes={"interactive": lane}, kv_usage=kv,
+                             ready_replicas=ready_now)
+    decision = decide(policy, current, the_sample, history, NOW)
+    assert policy.min_replicas <= decision.desired <= policy.max_replicas
+    if policy.min_replicas <= current <= policy.max_replicas:
+        assert decision.desired <= max(current, scale_up_limit(current))
+        assert decision.desired >= min(current, scale_down_limit(current))
+
+
+now_levels = st.tuples(st.floats(0, 1), st.floats(0, 500), st.floats(0, 60), st.floats(0, 1))
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=now_policies, current=st.integers(1, 30), history=histories, a=now_levels, b=now_levels,
+       served=st.floats(0.5, 60))
+def test_load_now_monotone_in_load(policy, current, history, a, b, served):
+    """More running share, waiting, arrivals or SLO misses never give fewer replicas (the
+    same throughput, history and time)."""
+    low = tuple(min(x, y) for x, y in zip(a, b))
+    high = tuple(max(x, y) for x, y in zip(a, b))
+
+    def desired(level) -> int:
+        share, waiting, arrivals, misses = level
+        the_sample = now_sample(share=share, waiting=waiting, arrivals=arrivals, served=served,
+                                attainment=1 - misses)
+        return decide(policy, current, the_sample, history, NOW).desired
+
+    assert desired(low) <= desired(high)
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=now_policies, current=st.integers(1, 30), share=st.floats(0, 1))
+def test_running_signal_never_reverses_itself(policy, current, share):
+    """Scaled to what the running signal asked for, the same load (the share the square-law
+    model projects for the new size) never asks to go back: the signal's own hysteresis."""
+    policy = dataclasses.replace(policy, scale_down_stabilization_s=0.0)
+    current = policy.clamp(current)
+    first = decide(policy, current, now_sample(share=share), (), NOW)
+    moved = first.desired
+    projected = share * (current / moved) ** 2
+    if projected > 1.0:
+        return  # past saturation the share is capped: the model no longer holds
+    second = decide(policy, moved, now_sample(share=projected, at=NOW + 15), first.history, NOW + 15)
+    if first.action == UP:
+        assert second.action != DOWN, (first.reason, second.reason)
+    if first.action == DOWN:
+        assert second.action != UP, (first.reason, second.reason)

@@ -6,6 +6,8 @@ tests/cluster/test_fleet_on_api_server.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -78,6 +80,16 @@ def test_settings_follow_the_spec():
     assert (settings.interval_s, settings.window_s, settings.prometheus_url) == (30.0, 120.0, "http://prometheus:9090")
 
 
+def test_settings_carry_the_load_now_knobs():
+    defaults = scaling.settings_from_spec(model_service({"autoscaling": AUTOSCALING}).spec).policy
+    assert (defaults.running_share_target, defaults.headroom_replicas, defaults.target_utilization) == (None, 0.0, 0.8)
+    knobs = {**AUTOSCALING, "runningShareTarget": 0.4, "headroomReplicas": 0.5, "targetUtilization": 0.7}
+    policy = scaling.settings_from_spec(model_service({"autoscaling": knobs}).spec).policy
+    assert (policy.running_share_target, policy.headroom_replicas, policy.target_utilization) == (0.4, 0.5, 0.7)
+    with pytest.raises(ValueError, match="spec.autoscaling: targetUtilization"):
+        scaling.settings_from_spec({"autoscaling": {**knobs, "targetUtilization": 1.5}})
+
+
 def test_settings_off_when_disabled_or_absent():
     assert scaling.settings_from_spec(model_service({}).spec) is None
     assert scaling.settings_from_spec(model_service({"autoscaling": {**AUTOSCALING, "enabled": False}}).spec) is None
@@ -107,7 +119,10 @@ def test_ttft_targets_come_from_the_lanes_slo():
 
 def test_queries_select_the_model_in_its_namespace_only():
     promql = scaling.queries("tiny", 120, "team-a")
-    assert all('model="tiny"' in q and 'namespace="team-a"' in q and "[120s]" in q for q in promql.values())
+    assert all('model="tiny"' in q and 'namespace="team-a"' in q for q in promql.values())
+    load_now = {"waiting", "running"}  # averaged over the last quarter of the window only
+    assert all("[120s" in q for name, q in promql.items() if name not in load_now | {"max_active"})
+    assert all("[30s]" in promql[name] for name in load_now)
     with pytest.raises(ValueError, match="quotes"):
         scaling.queries('x"}', 60)
 
@@ -128,6 +143,32 @@ def test_fleet_sample_from_results():
     # 0.9 of the 1.0 requests/s met 0.5 s; the 0.05/s without a first token count as misses.
     assert interactive == autoscaler.LaneSample(1.0, 0.8, pytest.approx(0.9))
     assert batch == autoscaler.LaneSample(0.5, None, None)  # no target, no attainment
+
+
+def test_fleet_sample_carries_the_load_now():
+    results = {
+        "requests": [Series({"lane": "interactive"}, 10.0), Series({"lane": "batch"}, 1.0)],
+        "served": [Series({"lane": "interactive"}, 9.0)],
+        "ended": [Series({"lane": "interactive"}, 9.5)],
+        # 120 more waiting and 60 more running than a 60 s window ago: 3 more arrivals per second
+        "waiting_growth": [Series({"lane": "interactive"}, 120.0)],
+        "running_growth": [Series({"lane": "interactive"}, 60.0)],
+        "waiting": [Series({"lane": "interactive"}, 130.0)],
+        "running": [Series({"lane": "interactive"}, 48.0)],
+        "max_active": [Series({"lane": "interactive"}, 96.0)],
+        "serving_replicas": [Series({}, 1.5)],  # one replica joined halfway through the window
+    }
+    sample = scaling.fleet_sample(results, at=100.0, window_s=60.0, targets_s={})
+    assert sample.serving_replicas == 1.5
+    interactive, batch = sample.lanes["interactive"], sample.lanes["batch"]
+    assert (interactive.waiting, interactive.served_rate, interactive.running_share) == (130.0, 9.0, 0.5)
+    assert interactive.arrival_rate == pytest.approx(9.5 + 3.0)
+    assert (batch.waiting, batch.arrival_rate, batch.running_share) == (None, None, None)  # no series
+    # 130 waiting at 9 served/s is ~14 s of queue: saturated, sized by arrivals / served.
+    policy = autoscaler.AutoscalingPolicy(1, 10, (autoscaler.LaneScalingTarget("interactive", 0.5),))
+    decision = autoscaler.decide(policy, 2, dataclasses.replace(sample, ready_replicas=2), (), 100.0)
+    assert decision.desired == math.ceil(1.5 * 12.5 / (9.0 * policy.target_utilization))
+    assert "waiting" in decision.reason
 
 
 def test_a_target_between_bucket_bounds_is_judged_by_the_lower_bound():

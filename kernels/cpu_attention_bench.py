@@ -1,0 +1,131 @@
+"""CPU benchmark of `paged_attention_cpu`: decodes grouped by length vs one SDPA per sequence.
+
+    python -m tokenlane.kernels.cpu_attention_bench [--json out.json] [--threads 1]
+        [--cache-dtype bfloat16] [--rounds 5] [--steps 5] [--quick]
+
+Decode batches shaped like the 19M reference model's layers (8 query heads, 4 KV heads,
+head_dim 32, 16-token blocks scattered over a pool twice the size needed, fp32 queries):
+S in {16, 64} sequences with contexts drawn from U[16, 640] and U[500, 900]. Each case is
+first checked against `reference.paged_attention_ref`, then timed in alternating rounds
+(per-sequence, grouped, per-sequence, ...) so both see the same machine load. A round runs
+`--steps` steps of 4 layer calls each; every step brings new metadata tensors, so its first
+layer builds the grouping plan and the other three reuse it, as in the engine. Reports ms
+per layer call (median over rounds) as wall time and as this thread's CPU time (less
+sensitive to a shared, busy host), and the speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+from tokenlane.kernels.cpu_attention import paged_attention_cpu
+from tokenlane.kernels.reference import paged_attention_ref
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 8, 4, 32, 16, 4
+CASES = [(16, 16, 640), (64, 16, 640), (16, 500, 900), (64, 500, 900)]  # (S, min ctx, max ctx)
+QUICK_CASES = [(4, 16, 64)]  # --quick: a smoke test of the script
+
+
+def decode_batch(num_seqs, lo, hi, cache_dtype, seed=0):
+    rng = random.Random(seed)
+    lens = [rng.randint(lo, hi) for _ in range(num_seqs)]
+    needed = [-(-n // BLOCK_SIZE) for n in lens]
+    num_blocks = 2 * sum(needed)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(num_seqs, max(needed), dtype=torch.int32)
+    for s, n in enumerate(needed):
+        tables[s, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
+    query = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=gen)
+    return dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=tables,
+                seq_lens=torch.tensor(lens, dtype=torch.int32),
+                query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+                scale=HEAD_DIM**-0.5)
+
+
+def run_steps(batch, steps, batch_decodes, out):
+    """`steps` x LAYERS calls; new metadata tensors per step. Returns (wall s, CPU s)."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        tables, lens = batch["block_tables"].clone(), batch["seq_lens"].clone()
+        qsl = batch["query_start_loc"].clone()
+        for _ in range(LAYERS):
+            paged_attention_cpu(batch["query"], batch["key_cache"], batch["value_cache"], tables,
+                                lens, qsl, batch["scale"], out, batch_decodes=batch_decodes)
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def bench_case(num_seqs, lo, hi, cache_dtype, rounds, steps):
+    batch = decode_batch(num_seqs, lo, hi, cache_dtype)
+    args = [batch[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+                               "query_start_loc", "scale")]
+    ref = paged_attention_ref(*args)
+    out = torch.empty_like(batch["query"])
+    errors = {}
+    for name, grouped in (("per_sequence", False), ("grouped", True)):
+        got = paged_attention_cpu(*args, out.clone(), batch_decodes=grouped)
+        errors[name] = float((got - ref).abs().max())
+    times = {"per_sequence": {"wall": [], "cpu": []}, "grouped": {"wall": [], "cpu": []}}
+    calls = steps * LAYERS
+    for _ in range(rounds):
+        for name, grouped in (("per_sequence", False), ("grouped", True)):
+            wall, cpu = run_steps(batch, steps, grouped, out)
+            times[name]["wall"].append(wall / calls * 1e3)
+            times[name]["cpu"].append(cpu / calls * 1e3)
+    med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    return {
+        "seqs": num_seqs, "context": [lo, hi],
+        "mean_context": statistics.mean(batch["seq_lens"].tolist()),
+        "max_abs_error": errors,
+        "ms_per_layer_median": med,
+        "speedup_wall": med["per_sequence"]["wall"] / med["grouped"]["wall"],
+        "speedup_cpu": med["per_sequence"]["cpu"] / med["grouped"]["cpu"],
+        "rounds_ms_per_layer": times,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="steps (x4 layer calls) per round")
+    parser.add_argument("--quick", action="store_true", help="one tiny case, to check the script")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cache_dtype = getattr(torch, args.cache_dtype)
+    results = []
+    print(f"torch {torch.__version__}, {args.threads} thread(s), fp32 queries, "
+          f"{args.cache_dtype} cache; ms per layer call, median of {args.rounds} rounds")
+    print("| S | context | per-seq wall | grouped wall | speed-up | per-seq CPU | grouped CPU "
+          "| speed-up | max err |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for num_seqs, lo, hi in QUICK_CASES if args.quick else CASES:
+        r = bench_case(num_seqs, lo, hi, cache_dtype, args.rounds, args.steps)
+        m = r["ms_per_layer_median"]
+        print(f"| {num_seqs} | U[{lo}, {hi}] | {m['per_sequence']['wall']:.2f} | "
+              f"{m['grouped']['wall']:.2f} | {r['speedup_wall']:.2f}x | "
+              f"{m['per_sequence']['cpu']:.2f} | {m['grouped']['cpu']:.2f} | "
+              f"{r['speedup_cpu']:.2f}x | {max(r['max_abs_error'].values()):.1e} |", flush=True)
+        results.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "machine": platform.processor() or
+                       platform.machine(), "threads": args.threads,
+                       "cache_dtype": args.cache_dtype, "cases": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""How the dense layers run on the CPU: the compute dtype and oneDNN-prepacked linears.
+
+Compute dtype. A CPU without native bf16/fp16 matrix instructions (AVX512-BF16 or AMX for
+bf16, AMX-FP16 for fp16) converts every operand on the fly: on an AVX2 host a bf16 GEMM runs
+at about a fifth of the float32 rate (docs/configuration.md, `engine.cpuComputeDtype`). There
+the weights are kept and multiplied in float32, while the KV cache keeps the model dtype (half
+the cache memory, and attention upcasts it anyway). Weights are first rounded to the model
+dtype, so a bf16 model keeps bf16 weights, only the arithmetic is wider.
+
+Prepacked linears. MKL's sgemm behind `F.linear` is slow for the short, wide products of a
+decode step ([16..64 rows] x [hidden x vocab]); oneDNN with the weight reordered once at
+load into its blocked layout runs the LM head about 2x faster from two rows up. A single row
+(a matrix-vector product) stays on MKL, which is faster there, so the dense weight is kept.
+Only large weights are prepacked: the small per-layer linears measured no better.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenlane.runtime.config import CPU_COMPUTE_DTYPES
+
+# Weights with at least this many elements (8 MiB in float32) get a oneDNN-prepacked copy.
+PREPACK_MIN_ELEMENTS = 1 << 21
+# The row count oneDNN is told to expect when it picks the packed layout (a decode batch).
+PREPACK_ROWS_HINT = 64
+
+
+@dataclass(frozen=True)
+class CpuMatmulSupport:
+    """Which low-precision matmuls this CPU runs natively (not by converting to float32)."""
+
+    bfloat16: bool
+    float16: bool
+
+
+def _probe(check: Optional[Callable[[], bool]]) -> bool:
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
+def detect_cpu_matmul_support() -> CpuMatmulSupport:
+    """torch's view of the host CPU: AVX512-BF16 or AMX tiles for bf16, AMX-FP16 for fp16."""
+    cpu = torch.cpu
+    amx = _probe(getattr(cpu, "_is_amx_tile_supported", None))
+    avx512_bf16 = _probe(getattr(cpu, "_is_avx512_bf16_supported", None))
+    amx_fp16 = _probe(getattr(cpu, "_is_amx_fp16_supported", None))
+    return CpuMatmulSupport(bfloat16=amx or avx512_bf16, float16=amx_fp16)
+
+
+def has_native_matmul(dtype: torch.dtype, support: CpuMatmulSupport) -> bool:
+    if dtype == torch.bfloat16:
+        return support.bfloat16
+    if dtype == torch.float16:
+        return support.float16
+    return True  # float32 is every CPU's native matmul
+
+
+def select_compute_dtype(
+    policy: str,
+    model_dtype: torch.dtype,
+    device: torch.device,
+    support: Optional[CpuMatmulSupport] = None,
+) -> torch.dtype:
+    """The dtype the dense layers compute in; the KV cache always keeps `model_dtype`.
+
+    policy: `model` = the model dtype; `float32` = float32 on the CPU; `auto` = float32 on
+    the CPU exactly when it lacks a native matmul for the model dtype. GPUs always compute in
+    the model dtype. `support` is detected when not given (tests inject it).
+    """
+    if policy not in CPU_COMPUTE_DTYPES:
+        raise ValueError(f"engine.cpuComputeDtype must be one of {CPU_COMPUTE_DTYPES}, got {policy!r}")
+    if torch.device(device).type != "cpu" or policy == "model" or model_dtype == torch.float32:
+        return model_dtype
+    if policy == "float32":
+        return torch.float32
+    if support is None:
+        support = detect_cpu_matmul_support()
+    return model_dtype if has_native_matmul(model_dtype, support) else torch.float32
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN prepacking applies to large float32 CPU weights, when torch has oneDNN."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.numel() >= PREPACK_MIN_ELEMENTS
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PrepackedLinear(nn.Module):
+    """`F.linear(x, weight, bias)` through oneDNN with the weight reordered once.
+
+    Holds the dense weight too (shared, not copied: for a tied LM head it is the embedding
+    table): single-row inputs use it, where MKL's matrix-vector product is faster.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        assert can_prepack(weight), "PrepackedLinear needs a large float32 CPU weight"
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        # An opaque oneDNN tensor: a plain attribute, not a parameter (no state_dict entry).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= 1:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def prepack_linear(linear: nn.Linear) -> nn.Module:
+    """`linear` itself when prepacking does not apply, else its prepacked replacement."""
+    if not can_prepack(linear.weight):
+        return linear
+    bias = None if linear.bias is None else linear.bias.detach()
+    return PrepackedLinear(linear.weight, bias)
+
+
+__all__ = [
+    "CPU_COMPUTE_DTYPES",
+    "CpuMatmulSupport",
+    "PrepackedLinear",
+    "can_prepack",
+    "detect_cpu_matmul_support",
+    "has_native_matmul",
+    "prepack_linear",
+    "select_compute_dtype",
+]

@@ -1,0 +1,119 @@
+"""The vs-vLLM benchmark script, with a second `tokenlane serve` standing in for vLLM."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tokenlane.runtime.bench import vs_vllm
+
+PEER_COMMAND = (f"{sys.executable} -m tokenlane.cli serve --model {{model}} --dtype {{dtype}} "
+                "--host 127.0.0.1 --port {port} --log-level warning --shutdown-grace-seconds 1")
+
+
+def test_end_to_end_with_tokenlane_as_the_peer(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "vs.json"
+    code = vs_vllm.main([
+        "--peer-command", PEER_COMMAND, "--peer-name", "other", "--model", str(tiny_model_dir),
+        "--workdir", str(tmp_path / "work"), "--dtype", "float32", "--concurrency", "1,2", "--pairs", "1",
+        "--num-requests", "3", "--prompt-tokens", "8:24", "--max-tokens", "3:6", "--greedy-requests", "2",
+        "--request-timeout", "60", "--json", str(out),
+    ])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["peer"] == "other"
+    assert doc["workload"]["num_requests"] == 3
+    # One start per server: both concurrencies ran against it, so their start-up times are equal.
+    first, cell = doc["cells"]
+    assert [(c["dtype"], c["concurrency"]) for c in doc["cells"]] == [("float32", 1), ("float32", 2)]
+    for name in ("tokenlane", "other"):
+        assert {r["startup_s"] for c in doc["cells"] for r in c["runs"] if r["server"] == name} == {
+            next(r["startup_s"] for r in first["runs"] if r["server"] == name)}
+    assert [(r["server"], r["pair"]) for r in cell["runs"]] == [("tokenlane", 1), ("other", 1)]
+    assert all(r["greedy"] is None for r in cell["runs"])  # the probes ride on the first run only
+    for run in cell["runs"]:
+        assert run["failed_requests"] == 0
+        assert [q["index"] for q in run["requests"]] == [1, 2, 3]
+        assert all(q["output_tokens"] == q["max_tokens"] for q in run["requests"])
+        assert run["output_tokens"] == doc["workload"]["output_token_total"]
+        assert run["metrics"]["output_tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
+        assert set(run["metrics"]) == set(vs_vllm.METRICS) and None not in run["metrics"].values()
+    by_server = {r["server"]: r["metrics"] for r in cell["runs"]}
+    for key in vs_vllm.METRICS:
+        assert cell["medians"]["tokenlane"][key] == by_server["tokenlane"][key]
+        assert cell["ratios"][key] == pytest.approx(by_server["tokenlane"][key] / by_server["other"][key])
+    greedy = doc["greedy_check"]
+    assert (greedy["requests"], greedy["mismatched"]) == (2, 0)
+    assert all(r["greedy"] and r["greedy"][0]["text"] for r in first["runs"])
+    printed = capsys.readouterr().out
+    assert "float32, concurrency 2 (1 pair; medians)" in printed and "greedy float32 outputs" in printed
+
+
+def _run(server: str, pair: int, tok_s: float, tpot: float) -> vs_vllm.Run:
+    metrics = {"output_tokens_per_s": tok_s, "tpot_p50_s": tpot, "ttft_p50_s": 0.1, "ttft_p99_s": None}
+    return vs_vllm.Run(server=server, pair=pair, startup_s=1.0, wall_s=1.0, output_tokens=10, metrics=metrics,
+                       failed_requests=0, requests=[])
+
+
+def test_cell_medians_and_ratios_come_from_each_servers_runs():
+    cell = vs_vllm.Cell("bfloat16", 16)
+    for pair, (ours, theirs) in enumerate([(100.0, 300.0), (300.0, 200.0), (200.0, 100.0)], start=1):
+        cell.runs += [_run("tokenlane", pair, ours, 1 / ours), _run("vllm", pair, theirs, 1 / theirs)]
+    assert cell.medians("tokenlane")["output_tokens_per_s"] == 200.0
+    assert cell.medians("vllm")["output_tokens_per_s"] == 200.0
+    ratios = cell.ratios("vllm")
+    assert ratios["output_tokens_per_s"] == 1.0
+    assert ratios["tpot_p50_s"] == pytest.approx(1.0)
+    assert ratios["ttft_p99_s"] is None  # no run measured it: no ratio rather than a made-up one
+    table = vs_vllm.format_cell(cell, "vllm")
+    assert "bfloat16, concurrency 16 (3 pairs; medians)" in table
+    run_rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert [row[:2] for row in run_rows] == [[str(p), s] for p in (1, 2, 3) for s in ("tokenlane", "vllm")]
+
+
+def test_greedy_mismatches_are_listed():
+    ours = [{"index": 1, "status": 200, "text": "a b", "token_ids": None},
+            {"index": 2, "status": 200, "text": "c", "token_ids": None}]
+    theirs = [{"index": 1, "status": 200, "text": "a b", "token_ids": [5, 6]},
+              {"index": 2, "status": 200, "text": "d", "token_ids": [7]}]
+    result = vs_vllm.compare_greedy(ours, theirs)
+    assert (result["compared_by"], result["mismatched"]) == ("text", 1)
+    assert result["mismatches"][0]["index"] == 2
+
+
+def test_padded_tokenizer_decodes_every_model_id_and_encodes_as_before(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    before = AutoTokenizer.from_pretrained(str(model))
+    size = len(before) + 40
+    assert vs_vllm.pad_tokenizer_vocab(model, size) == 40
+    after = AutoTokenizer.from_pretrained(str(model))
+    assert len(after) == size
+    text = "def main():\n    return 0"
+    assert after.encode(text) == before.encode(text)
+    tail = [after.decode([i]) for i in range(size - 40, size)]
+    assert len(set(tail)) == 40 and all(len(t) == 3 and t.isprintable() for t in tail)
+
+
+def test_vllm_wrapper_reports_the_version_only_for_vllm(tmp_path):
+    (tmp_path / "vllm_cli.py").write_text(vs_vllm.VLLM_WRAPPER)
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import vllm_cli, importlib.metadata as m; "
+             "print(m.version('vllm'), m.version('pyyaml'))")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, check=True)
+    import yaml
+
+    assert out.stdout.split() == [vs_vllm.VLLM_VERSION, yaml.__version__]
+
+
+def test_needs_exactly_one_peer(capsys):
+    with pytest.raises(SystemExit) as exc:
+        vs_vllm.main(["--pairs", "1"])
+    assert exc.value.code == 2
+    assert "exactly one of --vllm-python and --peer-command" in capsys.readouterr().err

@@ -1,0 +1,179 @@
+"""The CPU's dense path (runtime/cpu_dense.py): the compute-dtype policy and the
+oneDNN-prepacked LM head, each against its plain-torch counterpart."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenlane.runtime import cpu_dense
+from tokenlane.runtime.config import ConfigError, EngineConfig, ModelConfig, RuntimeConfig
+from tokenlane.runtime.cpu_dense import (
+    CpuMatmulSupport,
+    PrepackedLinear,
+    can_prepack,
+    prepack_linear,
+    select_compute_dtype,
+)
+from tokenlane.runtime.executor import ModelExecutor
+from tokenlane.runtime.model import AttentionMetadata, CausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_model_vs_hf import assert_matches_hf, engine_requests, run_engine  # noqa: E402
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+AVX2 = CpuMatmulSupport(bfloat16=False, float16=False)
+AVX512_BF16 = CpuMatmulSupport(bfloat16=True, float16=False)
+AMX_FP16 = CpuMatmulSupport(bfloat16=True, float16=True)
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+# ------------------------------------------------------------------ compute dtype policy
+
+
+@pytest.mark.parametrize(
+    "policy, model_dtype, device, support, expected",
+    [
+        # auto: float32 exactly when the CPU has no native matmul for the model dtype
+        ("auto", BF16, "cpu", AVX2, FP32),
+        ("auto", FP16, "cpu", AVX2, FP32),
+        ("auto", BF16, "cpu", AVX512_BF16, BF16),
+        ("auto", FP16, "cpu", AVX512_BF16, FP32),
+        ("auto", FP16, "cpu", AMX_FP16, FP16),
+        ("auto", FP32, "cpu", AVX2, FP32),
+        # explicit policies
+        ("model", BF16, "cpu", AVX2, BF16),
+        ("model", FP16, "cpu", AVX2, FP16),
+        ("float32", BF16, "cpu", AVX512_BF16, FP32),
+        ("float32", FP32, "cpu", AVX2, FP32),
+        # GPUs always compute in the model dtype
+        ("auto", BF16, "cuda", AVX2, BF16),
+        ("float32", FP16, "cuda", AVX2, FP16),
+    ],
+)
+def test_select_compute_dtype(policy, model_dtype, device, support, expected):
+    assert select_compute_dtype(policy, model_dtype, torch.device(device), support) == expected
+
+
+def test_select_compute_dtype_rejects_unknown_policy():
+    with pytest.raises(ValueError, match="cpuComputeDtype must be one of .*'bf16'"):
+        select_compute_dtype("bf16", BF16, torch.device("cpu"), AVX2)
+
+
+def test_engine_config_validates_cpu_compute_dtype():
+    assert EngineConfig().cpu_compute_dtype == "auto"
+    with pytest.raises(ConfigError, match="cpuComputeDtype: must be one of"):
+        EngineConfig(cpu_compute_dtype="half")
+
+
+@pytest.mark.parametrize("policy", ["float32", "model"])
+def test_executor_keeps_the_cache_in_the_model_dtype(tiny_model_dir, policy):
+    config = RuntimeConfig(
+        model=ModelConfig(path=str(tiny_model_dir), dtype="bfloat16"),
+        engine=EngineConfig(kv_cache_blocks=16, block_size=4, device="cpu", cpu_compute_dtype=policy),
+    )
+    ex = ModelExecutor(config)
+    expected = FP32 if policy == "float32" else BF16
+    assert ex.compute_dtype == expected
+    assert all(p.dtype == expected for p in ex.model.parameters())
+    assert ex.kv_caches[0][0].dtype == BF16 and ex.kv_caches[0][1].dtype == BF16
+    # float32 compute keeps the bf16 model's weights: every one is a bf16 value.
+    for param in ex.model.parameters():
+        assert torch.equal(param, param.to(BF16).to(param.dtype))
+
+
+def test_float32_compute_over_a_bf16_cache_runs_the_engine(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(cpu_dense, "detect_cpu_matmul_support", lambda: AVX2)  # auto -> float32
+    reqs = engine_requests(4, 1024, seed=16, max_new=(5, 8))
+    engine = run_engine(tiny_model_dir, reqs, dtype="bfloat16")
+    assert engine.executor.compute_dtype == FP32
+    assert engine.executor.kv_caches[0][0].dtype == BF16
+    assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in reqs)
+
+
+# ------------------------------------------------------------------ the prepacked LM head
+
+
+def _head_weight(out_features=4096, in_features=512):
+    torch.manual_seed(0)
+    return torch.randn(out_features, in_features) * 0.05
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(0, 512), (1, 512), (2, 512), (16, 512), (64, 512), (3, 5, 512)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prepacked_linear_matches_f_linear(shape, with_bias):
+    weight = _head_weight()
+    bias = torch.randn(weight.shape[0]) if with_bias else None
+    layer = PrepackedLinear(weight, bias)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        got, want = layer(x), F.linear(x, weight, bias)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_applies_to_large_float32_weights_only():
+    assert can_prepack(_head_weight()) == torch.backends.mkldnn.is_available()
+    small = nn.Linear(64, 128, bias=False)
+    assert not can_prepack(small.weight) and prepack_linear(small) is small
+    large_bf16 = nn.Linear(512, 4096, bias=False, dtype=BF16)
+    assert prepack_linear(large_bf16) is large_bf16
+
+
+def _save_checkpoint(path: Path, tie: bool) -> Path:
+    """A 1-layer Llama whose LM head (vocab 32768 x hidden 64) is large enough to prepack."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=32768, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                         max_position_embeddings=64, tie_word_embeddings=tie)
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    return path
+
+
+@needs_onednn
+@pytest.mark.parametrize("tie", [False, True])
+def test_prepacked_head_logits_match_transformers(tmp_path, tie, one_torch_thread):
+    from transformers import AutoModelForCausalLM
+
+    path = _save_checkpoint(tmp_path, tie)
+    model = CausalLM.from_pretrained(path)
+    assert isinstance(model.lm_head, PrepackedLinear)
+    if tie:  # the embedding table is the head's dense weight, not a copy
+        assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    torch.manual_seed(4)
+    ids = torch.randint(0, 32768, (24,))
+    L = ids.numel()
+    shape = (2, 16, model.args.num_kv_heads, model.args.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape))]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(L), block_tables=torch.zeros((0, 1), dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32), query_start_loc=torch.zeros(1, dtype=torch.int32),
+        num_paged_tokens=0, max_query_len=0, max_seq_len=0, fresh_query_lens=[L],
+        all_seq_lens=[L], all_query_lens=[L], backend="torch",
+    )
+    logits = model(ids, torch.arange(L), caches, meta, torch.arange(L))
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), want.argmax(-1))
+
+
+@needs_onednn
+def test_greedy_tokens_match_transformers_through_a_prepacked_head(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS", 1)  # the tiny model's head qualifies
+    reqs = engine_requests(8, 1024, seed=21, max_len=40, max_new=(4, 12))
+    engine = run_engine(tiny_model_dir, reqs, chunk=7, max_batched_tokens=40)
+    assert isinstance(engine.executor.model.lm_head, PrepackedLinear)
+    assert_matches_hf(tiny_model_dir, reqs)

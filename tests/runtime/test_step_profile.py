@@ -1,0 +1,99 @@
+"""The step profiler (runtime/bench/step_profile.py): its phases account for the whole step,
+on a real engine with the tiny model; the table and JSON come out of a short offline run."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tokenlane.runtime.bench import step_profile
+from tokenlane.runtime.bench.step_profile import (
+    ENGINE_PHASES,
+    FORWARD_PHASES,
+    format_table,
+    instrument,
+    phase_breakdown,
+    steady,
+    summarize,
+)
+from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from tokenlane.runtime.engine import LLMEngine
+from tokenlane.runtime.executor import ModelExecutor
+from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.tokenizer import load_tokenizer
+
+
+def make_engine(model_dir) -> LLMEngine:
+    config = RuntimeConfig(
+        model=ModelConfig(path=str(model_dir)),
+        engine=EngineConfig(device="cpu", kv_cache_blocks=64),
+        scheduler=SchedulerConfig(max_active_sequences=4, max_batched_tokens=64, prefill_chunk_size=16),
+    )
+    return LLMEngine(config, ModelExecutor(config), tokenizer=load_tokenizer(model_dir), clock=time.perf_counter)
+
+
+def test_phases_add_up_to_each_step_and_split_the_forward_pass(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    recorder = instrument(engine)
+    for i, length in enumerate([40, 7, 23]):
+        engine.add_request(Request(f"r{i}", list(range(5, 5 + length)),
+                                   SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    records = recorder.records
+    assert len(records) >= 8
+    for record in records:
+        parts = phase_breakdown(record)
+        assert all(value >= 0 for value in parts.values())
+        # Every phase but the dispatch (inside the loop gap) adds up to the step's cycle.
+        total = sum(value for name, value in parts.items() if name != "stream")
+        assert total == pytest.approx(record["cycle"], rel=1e-6, abs=1e-9)
+        assert record["forward"] > 0 and record["self_attn"] > 0 and record["linear"] > 0
+        assert record["lm_head"] > 0  # every step here samples a token
+        assert record["outputs"] > 0 and record["schedule"] > 0
+    # Offline, the next step starts right after the previous one returns.
+    gaps = [phase_breakdown(r)["loop_gap"] for r in records[:-1]]
+    assert max(gaps) < 0.5 * min(r["step"] for r in records)
+    # Chunked prefill (16-token chunks) next to decodes, then decodes only.
+    assert steady(records, running=3, mixed=True)
+    decodes = steady(records, running=3, mixed=False)
+    assert decodes and all(r["prefill_tokens"] == 0 and r["decode_tokens"] == 3 for r in decodes)
+    summary = summarize(decodes)
+    assert set(ENGINE_PHASES) <= set(summary["phase_ms"])
+    assert 0 < summary["host_overhead_share"] < 1
+    assert sum(summary["phase_ms"][name] for name in FORWARD_PHASES) > 0
+    table = format_table([{"mode": "offline", "dtype": "float32", "running": 3, "decode": summary}])
+    assert "offline fp32 N=3 decode" in table and "host overhead share" in table
+    assert "loop gap" not in table  # offline: no HTTP rows
+
+
+@pytest.mark.slow  # prefills 512-token prompts twice over: ~10 s on two cores
+def test_offline_run_writes_table_and_json(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    code = step_profile.main(["--model", str(tiny_model_dir), "--running", "3", "--steps", "3",
+                              "--json", str(out)])
+    assert code == 0
+    (result,) = json.loads(out.read_text())
+    assert result["mode"] == "offline" and result["running"] == 3
+    for case in ("decode", "mixed"):
+        assert result[case]["steps"] == 3, case
+    table = format_table([result])
+    assert "offline fp32 N=3 decode" in table and "host overhead share" in table
+    assert table in capsys.readouterr().out
+
+
+def test_a_model_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        step_profile.ensure_model(str(tmp_path))
+
+
+@pytest.mark.slow  # a real `tokenlane serve` and 3 streaming clients: ~20 s on two busy cores
+def test_http_mode_profiles_a_real_server(tiny_model_dir, tmp_path):
+    result = step_profile.http_profile(tiny_model_dir, "float32", running=3, max_tokens=12, cpu_threads=1,
+                                       workdir=tmp_path)
+    decode = result["decode"]
+    assert decode["steps"] >= 5
+    assert decode["phase_ms"]["loop_gap"] > 0 and decode["loop_cpu_ms_per_step"] > 0
+    assert result["itl_p50_ms"] > 0
