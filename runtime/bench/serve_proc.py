@@ -67,29 +67,41 @@ class ServerProcess:
         self.exit_code: Optional[int] = None
         self.stop_seconds: Optional[float] = None
 
-    def start(self) -> "ServerProcess":
-        import httpx
+    # What a subclass may change to launch another OpenAI-compatible server (runtime/bench/vs_vllm.py).
+    ready_path = "/ready"  # answers 200 once the server takes requests
+    description = "tokenlane serve"
+    cwd: Optional[Path] = None
 
-        cmd = [sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(self.config_path),
-               "--host", "127.0.0.1", "--port", str(self.port), "--shutdown-grace-seconds", str(self.grace_s),
-               "--log-level", "warning"]
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(self.config_path),
+                "--host", "127.0.0.1", "--port", str(self.port), "--shutdown-grace-seconds", str(self.grace_s),
+                "--log-level", "warning"]
+
+    def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(self.env or {})
+        return env
+
+    def start(self) -> "ServerProcess":
+        import httpx
+
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.environment(), cwd=self.cwd)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tokenlane serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+                self.stop()
+                raise RuntimeError(f"{self.description} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/ready", timeout=1.0, trust_env=False).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=1.0, trust_env=False).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"tokenlane serve not ready after {self.ready_timeout_s:g} s:\n{self.log_tail()}")
+        raise RuntimeError(f"{self.description} not ready after {self.ready_timeout_s:g} s:\n{self.log_tail()}")
 
     def stop(self) -> Optional[int]:
         if self.proc is None or self.exit_code is not None:

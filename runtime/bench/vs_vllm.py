@@ -49,7 +49,6 @@ import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -152,7 +151,9 @@ def make_workload(num_requests: int, seed: int, prompt_range: tuple[int, int],
 
 class PeerServer(ServerProcess):
     """The server compared against: any command line, ready once GET /v1/models answers 200.
-    Stopping (SIGTERM, then SIGKILL if it overstays) and the log are ServerProcess's."""
+    Starting, stopping (SIGTERM, then SIGKILL if it overstays) and the log are ServerProcess's."""
+
+    ready_path = "/v1/models"
 
     def __init__(self, argv_template: list[str], workdir: Path, name: str, *, model: Path, dtype: str,
                  env: dict[str, str], ready_timeout_s: float):
@@ -160,27 +161,16 @@ class PeerServer(ServerProcess):
         self.config_path.unlink()  # the peer takes its settings on the command line
         fill = {"python": sys.executable, "model": str(model), "dtype": dtype, "port": str(self.port)}
         self.argv = [part.format(**fill) for part in argv_template]
-
-    def start(self) -> "PeerServer":
-        import httpx
-
-        self._log = open(self.log_path, "wb")
+        self.description = f"peer server ({shlex.join(self.argv)})"
         # cwd: vLLM's helper subprocesses run `python -m`, which would import this checkout's
         # kernels/ folder as the `kernels` package transformers probes for.
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                     env={**os.environ, **(self.env or {})})
-        deadline = time.monotonic() + self.ready_timeout_s
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2.0, trust_env=False).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass  # not listening yet
-            time.sleep(0.5)
-        exited = self.proc.poll() is not None
-        self.stop()
-        state = f"exited with {self.exit_code}" if exited else f"not ready after {self.ready_timeout_s:g} s"
-        raise RuntimeError(f"peer server {state}: {shlex.join(self.argv)}\n{self.log_tail()}")
+        self.cwd = workdir
+
+    def command(self) -> list[str]:
+        return self.argv
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **(self.env or {})}
 
 
 def vllm_argv(vllm_python: str, wrapper: Path, extra: list[str]) -> list[str]:
