@@ -8,12 +8,13 @@ import torch
 
 from tokenlane.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "native")
 BACKEND_ENV = "TOKENLANE_ATTENTION_BACKEND"
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """auto = Triton on CUDA, the torch reference elsewhere. TOKENLANE_ATTENTION_BACKEND
+    """auto = Triton on CUDA; on the CPU the C decode kernel (`native`, kernels/cpu_native.py)
+    when it builds here, else `torch` (kernels/cpu_attention.py). TOKENLANE_ATTENTION_BACKEND
     overrides auto (tests force `triton` on the CPU under TRITON_INTERPRET=1)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
@@ -21,8 +22,21 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         backend = os.environ.get(BACKEND_ENV, "auto") or "auto"
         if backend not in BACKENDS:
             raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
+    on_cpu = torch.device(device).type == "cpu"
     if backend == "auto":
-        backend = "triton" if torch.device(device).type == "cuda" else "torch"
+        if not on_cpu:
+            return "triton"
+        from tokenlane.kernels import cpu_native
+
+        return "native" if cpu_native.available() else "torch"
+    if backend == "native":
+        if not on_cpu:
+            raise ValueError(f"the native attention backend runs on the CPU only, not on {device}")
+        from tokenlane.kernels import cpu_native
+
+        if not cpu_native.available():
+            raise ValueError(f"the native attention backend could not be built here: "
+                             f"{cpu_native.load_error()} (use auto or torch)")
     return backend
 
 
@@ -45,7 +59,8 @@ def paged_attention(
 
     `max_query_len` / `max_seq_len` are optional host-side values of the batch metadata: with
     them the Triton launcher picks its tiling without a device-to-host sync."""
-    if resolve_backend(backend, query.device) == "triton":
+    resolved = resolve_backend(backend, query.device)
+    if resolved == "triton":
         from tokenlane.kernels.triton_kernels import paged_attention_triton
 
         return paged_attention_triton(
@@ -53,12 +68,13 @@ def paged_attention(
             max_query_len=max_query_len, max_seq_len=max_seq_len,
         )
     if query.device.type == "cpu":
-        # Same contract as the reference: decodes batched in length groups, one SDPA per
-        # prefill chunk (kernels/cpu_attention.py).
+        # Same contract as the reference: every decode in one C kernel call (native) or in
+        # length groups of SDPA (torch), one SDPA per prefill chunk (kernels/cpu_attention.py).
         from tokenlane.kernels.cpu_attention import paged_attention_cpu
 
         return paged_attention_cpu(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+            native=resolved == "native",
         )
     return paged_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out

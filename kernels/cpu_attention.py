@@ -41,6 +41,8 @@ DECODE_GROUP_BYTES = 2 << 20
 DECODE_GROUP_MAX_WASTE = 0.25
 # Work (query rows x context length) from which one attention call uses every thread.
 _PARALLEL_WORK = 1 << 15
+# (context token, KV head) rows of all decodes from which the C kernel uses every thread.
+_NATIVE_PARALLEL_ROWS = 1 << 13
 # Scratch buffers up to this size are kept for the next call; bigger gathers are one-off.
 _MAX_KEPT_SCRATCH_BYTES = 16 << 20
 
@@ -56,17 +58,18 @@ def paged_attention_cpu(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     *,
     batch_decodes: bool = True,  # False: one SDPA per decode too (the previous path; benchmarks)
+    native: bool = False,  # decodes through the C kernel (kernels/cpu_native.py), one call
 ) -> torch.Tensor:
     # Inference mode throughout: the scratch buffers and the cached plan are reused across
     # calls, and a buffer first made under the model's inference_mode could not be written
     # in place by a later call outside it.
     with torch.inference_mode():
         return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                query_start_loc, scale, out, batch_decodes)
+                                query_start_loc, scale, out, batch_decodes, native)
 
 
 def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                     scale, out, batch_decodes):
+                     scale, out, batch_decodes, native):
     if out is None:
         out = torch.empty_like(query)
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
@@ -77,10 +80,13 @@ def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
     upcast_bytes = 0 if key_cache.dtype == torch.float32 else 4
     row_bytes = 2 * num_kv_heads * head_dim * (key_cache.element_size() + upcast_bytes)
     plan = _plan_for(block_tables, seq_lens, query_start_loc, block_size, row_bytes,
-                     batch_decodes)
+                     batch_decodes, native)
     # Most calls here are small: run them on one thread, as an OpenMP fork/join per op costs
     # more than the op (and far more on a busy host). Big ones get all threads back.
     threads = torch.get_num_threads()
+    if plan.native_decodes is not None:
+        _attend_decodes_native(query, key_cache, value_cache, block_tables, plan.native_decodes,
+                               scale, out, threads)
     try:
         current = threads
         for group in plan.decode_groups:
@@ -125,19 +131,32 @@ class _Sequence:
 
 
 @dataclass
+class _NativeDecodes:
+    """Every decode of the batch, for one call of the C kernel."""
+
+    rows: torch.Tensor  # [n] int32: query (= output) row
+    seqs: torch.Tensor  # [n] int32: block-table row
+    lens: torch.Tensor  # [n] int32: context length
+    max_len: int
+    context_tokens: int  # summed over the decodes
+
+
+@dataclass
 class _Plan:
     decode_groups: list[_DecodeGroup]
     sequences: list[_Sequence]
+    native_decodes: _NativeDecodes | None = None
 
 
 _local = threading.local()
 
 
-def _plan_for(block_tables, seq_lens, query_start_loc, block_size, row_bytes, batch_decodes):
+def _plan_for(block_tables, seq_lens, query_start_loc, block_size, row_bytes, batch_decodes,
+              native):
     """The batch's plan, reused while the metadata holds the same values: every layer of a
     forward pass passes the same metadata. Compared by value (three small `torch.equal`s), so
     new tensors, in-place edits and inference tensors (no version counter) are all safe."""
-    key = (block_size, row_bytes, batch_decodes)
+    key = (block_size, row_bytes, batch_decodes, native)
     tensors = (block_tables, seq_lens, query_start_loc)
     cached = getattr(_local, "plan", None)
     if cached is not None:
@@ -148,12 +167,13 @@ def _plan_for(block_tables, seq_lens, query_start_loc, block_size, row_bytes, ba
         ):
             return plan
     plan = _build_plan(block_tables, seq_lens, query_start_loc, block_size, row_bytes,
-                       batch_decodes)
+                       batch_decodes, native)
     _local.plan = (key, tuple(t.clone() for t in tensors), plan)
     return plan
 
 
-def _build_plan(block_tables, seq_lens, query_start_loc, block_size, row_bytes, batch_decodes):
+def _build_plan(block_tables, seq_lens, query_start_loc, block_size, row_bytes, batch_decodes,
+                native=False):
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decodes, sequences = [], []
@@ -167,6 +187,18 @@ def _build_plan(block_tables, seq_lens, query_start_loc, block_size, row_bytes, 
         else:
             sequences.append(_Sequence(q_start, q_end, ctx_len, s, q_len * ctx_len))
     decodes.sort(reverse=True)  # longest first: a group's first member sets its length
+    if native:
+        # Longest first also balances the C kernel's threads (items are taken in order).
+        native_decodes = None
+        if decodes:
+            native_decodes = _NativeDecodes(
+                rows=torch.tensor([starts[s] for _, s in decodes], dtype=torch.int32),
+                seqs=torch.tensor([s for _, s in decodes], dtype=torch.int32),
+                lens=torch.tensor([c for c, _ in decodes], dtype=torch.int32),
+                max_len=decodes[0][0],
+                context_tokens=sum(c for c, _ in decodes),
+            )
+        return _Plan([], sequences, native_decodes)
     bounds, first, total = [], 0, 0  # groups as [first, end) ranges of `decodes`
     for i, (ctx_len, _) in enumerate(decodes):
         n = i - first + 1
@@ -255,6 +287,25 @@ def _attend_decode_group(query, key_cache, value_cache, group, scale, out):
         out[rows] = o
     else:
         out.index_copy_(0, rows, o)
+
+
+def _attend_decodes_native(query, key_cache, value_cache, block_tables, decodes, scale, out,
+                           threads):
+    from tokenlane.kernels import cpu_native
+
+    num_kv_heads = key_cache.shape[2]
+    # Below this many (context token, KV head) rows one thread is faster than starting more
+    # (a thread start costs about what 1-2k rows of attention do).
+    if decodes.context_tokens * num_kv_heads < _NATIVE_PARALLEL_ROWS:
+        threads = 1
+    q = query if query.dtype == torch.float32 else query.float()
+    o = out if out.dtype == torch.float32 else _scratch("o32", out.shape, torch.float32, out.device)
+    cpu_native.paged_decode_attention(
+        q, key_cache, value_cache, block_tables, decodes.rows, decodes.seqs, decodes.lens,
+        decodes.max_len, scale, o, threads)
+    if o is not out:
+        rows = decodes.rows.long()
+        out.index_copy_(0, rows, o.index_select(0, rows).to(out.dtype))
 
 
 def _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, out):

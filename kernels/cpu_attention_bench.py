@@ -1,4 +1,5 @@
-"""CPU benchmark of `paged_attention_cpu`: decodes grouped by length vs one SDPA per sequence.
+"""CPU benchmark of `paged_attention_cpu`'s decode paths: one SDPA per sequence, decodes
+grouped by length (SDPA per group), and the C kernel (`native`, kernels/cpu_native.c).
 
     python -m tokenlane.kernels.cpu_attention_bench [--json out.json] [--threads 1]
         [--cache-dtype bfloat16] [--rounds 5] [--steps 5] [--quick]
@@ -7,11 +8,12 @@ Decode batches shaped like the 19M reference model's layers (8 query heads, 4 KV
 head_dim 32, 16-token blocks scattered over a pool twice the size needed, fp32 queries):
 S in {16, 64} sequences with contexts drawn from U[16, 640] and U[500, 900]. Each case is
 first checked against `reference.paged_attention_ref`, then timed in alternating rounds
-(per-sequence, grouped, per-sequence, ...) so both see the same machine load. A round runs
-`--steps` steps of 4 layer calls each; every step brings new metadata tensors, so its first
-layer builds the grouping plan and the other three reuse it, as in the engine. Reports ms
-per layer call (median over rounds) as wall time and as this thread's CPU time (less
-sensitive to a shared, busy host), and the speed-up.
+(per-sequence, grouped, native, per-sequence, ...) so all see the same machine load. A round
+runs `--steps` steps of 4 layer calls each; every step brings new metadata tensors, so its
+first layer builds the plan and the other three reuse it, as in the engine. Reports ms per
+layer call (median over rounds) as wall time and as the process's CPU time (every thread's;
+less sensitive to a shared, busy host), and the speed-ups. `native` is left out where no C
+compiler is present.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 
 import torch
 
+from tokenlane.kernels import cpu_native
 from tokenlane.kernels.cpu_attention import paged_attention_cpu
 from tokenlane.kernels.reference import paged_attention_ref
 
@@ -53,16 +56,24 @@ def decode_batch(num_seqs, lo, hi, cache_dtype, seed=0):
                 scale=HEAD_DIM**-0.5)
 
 
-def run_steps(batch, steps, batch_decodes, out):
+def paths() -> dict[str, dict]:
+    """Name -> paged_attention_cpu keywords of each decode path measured here."""
+    out = {"per_sequence": dict(batch_decodes=False), "grouped": dict(batch_decodes=True)}
+    if cpu_native.available():
+        out["native"] = dict(native=True)
+    return out
+
+
+def run_steps(batch, steps, path, out):
     """`steps` x LAYERS calls; new metadata tensors per step. Returns (wall s, CPU s)."""
-    wall, cpu = time.perf_counter(), time.thread_time()
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         tables, lens = batch["block_tables"].clone(), batch["seq_lens"].clone()
         qsl = batch["query_start_loc"].clone()
         for _ in range(LAYERS):
             paged_attention_cpu(batch["query"], batch["key_cache"], batch["value_cache"], tables,
-                                lens, qsl, batch["scale"], out, batch_decodes=batch_decodes)
-    return time.perf_counter() - wall, time.thread_time() - cpu
+                                lens, qsl, batch["scale"], out, **path)
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def bench_case(num_seqs, lo, hi, cache_dtype, rounds, steps):
@@ -72,26 +83,31 @@ def bench_case(num_seqs, lo, hi, cache_dtype, rounds, steps):
     ref = paged_attention_ref(*args)
     out = torch.empty_like(batch["query"])
     errors = {}
-    for name, grouped in (("per_sequence", False), ("grouped", True)):
-        got = paged_attention_cpu(*args, out.clone(), batch_decodes=grouped)
+    for name, path in paths().items():
+        got = paged_attention_cpu(*args, torch.full_like(out, float("nan")), **path)
         errors[name] = float((got - ref).abs().max())
-    times = {"per_sequence": {"wall": [], "cpu": []}, "grouped": {"wall": [], "cpu": []}}
+    times = {name: {"wall": [], "cpu": []} for name in paths()}
     calls = steps * LAYERS
     for _ in range(rounds):
-        for name, grouped in (("per_sequence", False), ("grouped", True)):
-            wall, cpu = run_steps(batch, steps, grouped, out)
+        for name, path in paths().items():
+            wall, cpu = run_steps(batch, steps, path, out)
             times[name]["wall"].append(wall / calls * 1e3)
             times[name]["cpu"].append(cpu / calls * 1e3)
     med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-    return {
+    result = {
         "seqs": num_seqs, "context": [lo, hi],
         "mean_context": statistics.mean(batch["seq_lens"].tolist()),
         "max_abs_error": errors,
         "ms_per_layer_median": med,
+        # grouped over per-sequence; native over grouped
         "speedup_wall": med["per_sequence"]["wall"] / med["grouped"]["wall"],
         "speedup_cpu": med["per_sequence"]["cpu"] / med["grouped"]["cpu"],
         "rounds_ms_per_layer": times,
     }
+    if "native" in med:
+        result["native_speedup_wall"] = med["grouped"]["wall"] / med["native"]["wall"]
+        result["native_speedup_cpu"] = med["grouped"]["cpu"] / med["native"]["cpu"]
+    return result
 
 
 def main(argv=None) -> int:
@@ -108,16 +124,24 @@ def main(argv=None) -> int:
     results = []
     print(f"torch {torch.__version__}, {args.threads} thread(s), fp32 queries, "
           f"{args.cache_dtype} cache; ms per layer call, median of {args.rounds} rounds")
+    native = "native" in paths()
+    if not native:
+        print(f"(native left out: {cpu_native.load_error()})")
     print("| S | context | per-seq wall | grouped wall | speed-up | per-seq CPU | grouped CPU "
-          "| speed-up | max err |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| speed-up |" + (" native wall | vs grouped | native CPU | vs grouped |" if native else "")
+          + " max err |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|" + ("---:|" * 4 if native else "") + "---:|")
     for num_seqs, lo, hi in QUICK_CASES if args.quick else CASES:
         r = bench_case(num_seqs, lo, hi, cache_dtype, args.rounds, args.steps)
         m = r["ms_per_layer_median"]
-        print(f"| {num_seqs} | U[{lo}, {hi}] | {m['per_sequence']['wall']:.2f} | "
-              f"{m['grouped']['wall']:.2f} | {r['speedup_wall']:.2f}x | "
-              f"{m['per_sequence']['cpu']:.2f} | {m['grouped']['cpu']:.2f} | "
-              f"{r['speedup_cpu']:.2f}x | {max(r['max_abs_error'].values()):.1e} |", flush=True)
+        row = (f"| {num_seqs} | U[{lo}, {hi}] | {m['per_sequence']['wall']:.2f} | "
+               f"{m['grouped']['wall']:.2f} | {r['speedup_wall']:.2f}x | "
+               f"{m['per_sequence']['cpu']:.2f} | {m['grouped']['cpu']:.2f} | "
+               f"{r['speedup_cpu']:.2f}x |")
+        if native:
+            row += (f" {m['native']['wall']:.2f} | {r['native_speedup_wall']:.2f}x | "
+                    f"{m['native']['cpu']:.2f} | {r['native_speedup_cpu']:.2f}x |")
+        print(row + f" {max(r['max_abs_error'].values()):.1e} |", flush=True)
         results.append(r)
     if args.json:
         with open(args.json, "w") as f:

@@ -265,8 +265,9 @@ def model_service_spec() -> dict:
             "cpuComputeDtype": _str("Dtype of the dense layers on the CPU: auto = float32 when the CPU has no "
                                     "native bf16/fp16 matmul, model = the model dtype, float32. The KV cache "
                                     "keeps the model dtype.", default="auto", enum=["auto", "model", "float32"]),
-            "attentionBackend": _str("auto = Triton on CUDA, torch reference on CPU.", default="auto",
-                                     enum=["auto", "torch", "triton"]),
+            "attentionBackend": _str("auto = Triton on CUDA; on the CPU the C decode kernel (native) when a C "
+                                     "compiler is present, else torch.", default="auto",
+                                     enum=["auto", "torch", "triton", "native"]),
             "cudaGraphs": _bool("Replay CUDA graphs recorded at start-up for decode steps (needs CUDA and the "
                                 "triton attention backend).", default=False),
             "cudaGraphMaxBatch": _int("Largest decode batch with a CUDA graph; larger batches run eager.",

@@ -32,7 +32,7 @@ POLICIES = ("decode-first", "mixed")
 STEP_TIME_BUDGETS = ("off", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 EXECUTORS = ("model", "simulated")
 CPU_COMPUTE_DTYPES = ("auto", "model", "float32")  # engine.cpuComputeDtype (runtime/cpu_dense.py)
 MAX_CUDA_GRAPH_BATCH = 512  # engine.cudaGraphMaxBatch: static buffers and start-up grow with it
@@ -277,7 +277,8 @@ class EngineConfig:
     # The CPU's dense-layer dtype; auto = float32 when the CPU has no native bf16/fp16 matmul.
     # The KV cache keeps the model dtype either way.
     cpu_compute_dtype: str = "auto"
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch reference on CPU
+    # auto = triton on CUDA; on the CPU native (the C decode kernel) if it builds, else torch.
+    attention_backend: str = "auto"
     # Decode steps replay CUDA graphs recorded at start-up (runtime/cuda_graphs.py); off until
     # measured on a GPU. Batches above cudaGraphMaxBatch sequences run eager.
     cuda_graphs: bool = False
@@ -323,10 +324,10 @@ class EngineConfig:
         if self.cuda_graphs:
             _check(self.device != "cpu", "cudaGraphs", "needs a CUDA device, but engine.device is cpu")
             _check(
-                self.attention_backend != "torch",
+                self.attention_backend in ("auto", "triton"),
                 "cudaGraphs",
-                "needs the triton attention backend (auto or triton): the torch path syncs with "
-                "the host inside the forward pass",
+                "needs the triton attention backend (auto or triton): the torch and native paths "
+                "run on the host inside the forward pass",
             )
         _check(self.executor in EXECUTORS, "executor", f"must be one of {EXECUTORS}")
 

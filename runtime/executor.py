@@ -136,7 +136,7 @@ class ModelExecutor:
         # The flat batch of each step (runtime/batch_inputs.py): fresh prefills go straight to
         # SDPA with the torch backend, so they come last and skip the block tables.
         self.inputs = BatchInputBuilder(self.block_size, self.max_model_len, self.device, self.backend,
-                                        sdpa_fresh_prefill=self.backend == "torch")
+                                        sdpa_fresh_prefill=self.backend in ("torch", "native"))
         # engine.cudaGraphs: decode steps replay graphs recorded here (runtime/cuda_graphs.py).
         self.decode_runner = make_decode_runner(
             config.engine.cuda_graphs, self.model, self.kv_caches, block_size=self.block_size,

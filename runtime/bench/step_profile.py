@@ -3,6 +3,7 @@
     python -m tokenlane.runtime.bench.step_profile                       # offline, N=64, fp32
     python -m tokenlane.runtime.bench.step_profile --running 16 64 --dtype float32 bfloat16
     python -m tokenlane.runtime.bench.step_profile --http --cpu-threads 1 2   # alternated
+    python -m tokenlane.runtime.bench.step_profile --attention-backend torch native --rounds 2
     python -m tokenlane.runtime.bench.step_profile --json out.json
 
 Offline, an `LLMEngine` with a `ModelExecutor` runs N sequences (prompts U[16, 512] tokens
@@ -326,7 +327,8 @@ def steady(records: list[dict[str, Any]], running: int, mixed: bool) -> list[dic
 # --------------------------------------------------------------------------- offline
 
 
-def offline_profile(model_dir: Path, dtype: str, running: int, steps: int, threads: Optional[int]) -> dict[str, Any]:
+def offline_profile(model_dir: Path, dtype: str, running: int, steps: int, threads: Optional[int],
+                    attention_backend: str = "auto") -> dict[str, Any]:
     import torch
 
     from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
@@ -338,7 +340,7 @@ def offline_profile(model_dir: Path, dtype: str, running: int, steps: int, threa
         torch.set_num_threads(threads)
     config = RuntimeConfig(
         model=ModelConfig(path=str(model_dir), dtype=dtype),
-        engine=EngineConfig(block_size=16, device="cpu"),
+        engine=EngineConfig(block_size=16, device="cpu", attention_backend=attention_backend),
         scheduler=SchedulerConfig(max_active_sequences=running + 1, max_waiting_requests=4096,
                                   max_batched_tokens=2048, prefill_chunk_size=512, queue_timeout_ms=3_600_000),
     )
@@ -382,6 +384,7 @@ def offline_profile(model_dir: Path, dtype: str, running: int, steps: int, threa
     mixed = steady(recorder.records, running, mixed=True)
     return {
         "mode": "offline", "dtype": dtype, "running": running, "threads": torch.get_num_threads(),
+        "attention_backend": attention_backend,
         "unprofiled_step_ms": plain_ms,
         "decode": summarize(decode),
         "mixed": summarize(mixed),
@@ -422,7 +425,7 @@ def serve_instrumented(stats_path: str, serve_argv: list[str]) -> int:
         return front
 
     async_module.AsyncEngine.from_config = classmethod(from_config)
-    code = server.main(serve_argv)
+    code = server.main(serve_argv, exit_when_served=False)
     Path(stats_path).write_text(json.dumps(recorders[0].records if recorders else []))
     return code
 
@@ -450,14 +453,14 @@ async def _stream_clients(base_url: str, prompts: list[list[int]], max_tokens: i
 
 
 def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu_threads: Optional[int],
-                 workdir: Path) -> dict[str, Any]:
+                 workdir: Path, attention_backend: str = "auto") -> dict[str, Any]:
     import yaml
 
     from tokenlane.runtime.bench.serve_proc import free_port
     import httpx
 
     port = free_port()
-    engine_cfg: dict[str, Any] = {"device": "cpu", "blockSize": 16}
+    engine_cfg: dict[str, Any] = {"device": "cpu", "blockSize": 16, "attentionBackend": attention_backend}
     if cpu_threads is not None:
         engine_cfg["cpuThreads"] = cpu_threads
     config = {
@@ -466,7 +469,7 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
         "scheduler": {"maxActiveSequences": running, "maxWaitingRequests": 4096, "maxBatchedTokens": 2048,
                       "prefillChunkSize": 512, "queueTimeoutMs": 3_600_000, "streamIdleTimeoutMs": 600_000},
     }
-    tag = f"{dtype}-{running}-{cpu_threads}-{port}"
+    tag = f"{dtype}-{running}-{cpu_threads}-{attention_backend}-{port}"
     config_path = workdir / f"{tag}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     stats_path = workdir / f"{tag}.steps.json"
@@ -501,6 +504,7 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
     records = json.loads(stats_path.read_text())
     return {
         "mode": "http", "dtype": dtype, "running": running, "cpu_threads": cpu_threads,
+        "attention_backend": attention_backend,
         "itl_p50_ms": 1000 * statistics.median(gaps),
         "decode": summarize(steady(records, running, mixed=False)),
         "mixed": summarize(steady(records, running, mixed=True)),
@@ -519,6 +523,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
                 name = f"{result['mode']} {SHORT_DTYPES.get(result['dtype'], result['dtype'])} N={result['running']} {case}"
                 if result.get("cpu_threads") is not None:
                     name += f" t={result['cpu_threads']}"
+                if result.get("attention_backend", "auto") != "auto":
+                    name += f" {result['attention_backend']}"
                 columns.append((name, summary, result))
     if not columns:
         return "(no steady-state steps recorded)"
@@ -560,7 +566,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--http", action="store_true", help="profile a real `tokenlane serve` under N streaming clients")
     p.add_argument("--cpu-threads", nargs="+", type=int, default=None,
                    help="--http: engine.cpuThreads values run alternately (default: the config default)")
-    p.add_argument("--rounds", type=int, default=1, help="--http: rounds of the alternation (default 1)")
+    p.add_argument("--attention-backend", nargs="+", default=["auto"],
+                   choices=["auto", "torch", "native"],
+                   help="engine.attentionBackend values run alternately (default auto)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of the alternation (default 1)")
     p.add_argument("--max-tokens", type=int, default=96, help="--http: tokens per request (default 96)")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
@@ -577,13 +586,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             for dtype in args.dtype:
                 for running in args.running:
                     for setting in settings:
-                        results.append(http_profile(model_dir, dtype, running, args.max_tokens, setting, workdir))
-                        print(format_table(results[-1:]), flush=True)
+                        for backend in args.attention_backend:
+                            results.append(http_profile(model_dir, dtype, running, args.max_tokens, setting,
+                                                        workdir, backend))
+                            print(format_table(results[-1:]), flush=True)
     else:
-        for dtype in args.dtype:
-            for running in args.running:
-                results.append(offline_profile(model_dir, dtype, running, args.steps, args.threads))
-                print(format_table(results[-1:]), flush=True)
+        for _ in range(args.rounds):
+            for dtype in args.dtype:
+                for running in args.running:
+                    for backend in args.attention_backend:
+                        results.append(offline_profile(model_dir, dtype, running, args.steps, args.threads,
+                                                       backend))
+                        print(format_table(results[-1:]), flush=True)
     print()
     print(format_table(results))
     if args.json:

@@ -1,0 +1,488 @@
+/* Paged decode attention for the CPU, in C (built and loaded by kernels/cpu_native.py).
+ *
+ * One decode = one query token per sequence that attends to its whole context. A work item is
+ * (decode, KV head): its G = Hq / Hkv query heads read each cached K and V row once, straight
+ * from the paged cache through the block table (no gather into a buffer, no padding, no mask).
+ * Per item, three passes over the context:
+ *   1. scores s[g][t] = scale * q[g] . K[t], and their max per query head;
+ *   2. p[g][t] = exp(s[g][t] - max[g]) and their sum (a vectorizable exp, below);
+ *   3. out[g] = sum_t p[g][t] V[t] / sum.
+ * The cache may be float32, bfloat16 or float16; rows are widened to float32 as they are read,
+ * and every sum is in float32. Items are handed out to `num_threads` threads (the caller's
+ * and num_threads - 1 pthreads) through one atomic counter, longest contexts first is the
+ * caller's choice of order.
+ *
+ * Built with -O3 -march=native -fopenmp-simd: `#pragma omp simd` lets the float reductions
+ * vectorize without -ffast-math for the whole file (no OpenMP runtime is linked).
+ */
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { TL_FLOAT32 = 0, TL_BFLOAT16 = 1, TL_FLOAT16 = 2 };
+enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3 };
+
+#define TL_MAX_GROUP 64  /* query heads per KV head */
+#define TL_MAX_HEADS 256 /* query heads of one work item (the vector path) */
+
+typedef struct {
+    const float *q;           /* [T, Hq, D] */
+    int64_t q_tok, q_head;    /* strides of q in elements (the D axis is contiguous) */
+    const void *k, *v;        /* [num_blocks, block_size, Hkv, D] each, same strides */
+    int dtype;                /* TL_FLOAT32 | TL_BFLOAT16 | TL_FLOAT16 */
+    int64_t c_block, c_tok, c_head;
+    const int32_t *tables;    /* [S, max_blocks] */
+    int64_t table_stride;
+    const int32_t *rows;      /* [n] query (and output) row of each decode */
+    const int32_t *seqs;      /* [n] block-table row of each decode */
+    const int32_t *lens;      /* [n] context length of each decode (>= 1) */
+    int n, hq, hkv, d, block_size, max_len;
+    int heads_per_item;       /* KV heads of one work item: hkv, or 1 for few decodes */
+    float scale;
+    float *out;               /* [T, Hq, D] */
+    int64_t o_tok, o_head;
+    int next;                 /* next work item (atomic) */
+    int failed;               /* set (atomic) when a thread could not allocate its scratch */
+} tl_job;
+
+/* exp(x) for x <= 0 (scores minus their max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
+ * degree-7 polynomial for exp(r), 2^n built in the exponent bits. About 1 ulp; plain arithmetic,
+ * so the loops that call it vectorize. */
+static inline float tl_exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* keeps 2^n a normal float; exp(-87) ~ 1.6e-38 */
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* Row `offset` (elements) of a cache as float32: the row itself for a float32 cache, else
+ * widened into `buf` [d]. */
+static inline const float *tl_row(const void *cache, int dtype, int64_t offset, int d, float *buf) {
+    if (dtype == TL_FLOAT32)
+        return (const float *)cache + offset;
+    if (dtype == TL_BFLOAT16) {
+        const uint16_t *src = (const uint16_t *)cache + offset;
+#pragma omp simd
+        for (int i = 0; i < d; ++i) {
+            uint32_t bits = (uint32_t)src[i] << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            buf[i] = f;
+        }
+        return buf;
+    }
+#ifdef __FLT16_MAX__
+    const _Float16 *src = (const _Float16 *)cache + offset;
+#pragma omp simd
+    for (int i = 0; i < d; ++i)
+        buf[i] = (float)src[i];
+#endif
+    return buf;
+}
+
+/* scores[g][t] <- exp(scores[g][t] - max[g]); max[g] <- 1 / sum_t (the store's scale). */
+static inline void tl_softmax(float *scores, int len, int group, float *max) {
+    for (int g = 0; g < group; ++g) {
+        float *sg = scores + (int64_t)g * len, mg = max[g], sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < len; ++t) {
+            float e = tl_exp_nonpositive(sg[t] - mg);
+            sg[t] = e;
+            sum += e;
+        }
+        max[g] = 1.0f / sum; /* sum >= 1: the max's own term is exp(0) */
+    }
+}
+
+/* out[row][head * G + g] = acc[g] * inv_sum[g]. */
+static inline void tl_store(const tl_job *j, int decode, int head, const float *acc,
+                            const float *inv_sum) {
+    const int group = j->hq / j->hkv, d = j->d;
+    for (int g = 0; g < group; ++g) {
+        float *o = j->out + (int64_t)j->rows[decode] * j->o_tok + (int64_t)(head * group + g) * j->o_head;
+        const float *ag = acc + (int64_t)g * d;
+        const float s = inv_sum[g];
+#pragma omp simd
+        for (int i = 0; i < d; ++i)
+            o[i] = ag[i] * s;
+    }
+}
+
+/* The generic path: any head size. */
+static void tl_attend_any(const tl_job *j, int decode, int head, float *scores, float *row,
+                          float *acc) {
+    const int group = j->hq / j->hkv, d = j->d, bs = j->block_size;
+    const int len = j->lens[decode];
+    const int32_t *table = j->tables + (int64_t)j->seqs[decode] * j->table_stride;
+    const float *q = j->q + (int64_t)j->rows[decode] * j->q_tok + (int64_t)head * group * j->q_head;
+    float max[TL_MAX_GROUP];
+
+    for (int g = 0; g < group; ++g)
+        max[g] = -FLT_MAX;
+    for (int t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
+        const int64_t base = (int64_t)table[b] * j->c_block + (int64_t)head * j->c_head;
+        const int m = len - t0 < bs ? len - t0 : bs;
+        for (int t = 0; t < m; ++t) {
+            const float *k = tl_row(j->k, j->dtype, base + (int64_t)t * j->c_tok, d, row);
+            for (int g = 0; g < group; ++g) {
+                const float *qg = q + (int64_t)g * j->q_head;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int i = 0; i < d; ++i)
+                    s += qg[i] * k[i];
+                s *= j->scale;
+                scores[(int64_t)g * len + t0 + t] = s;
+                max[g] = s > max[g] ? s : max[g];
+            }
+        }
+    }
+    tl_softmax(scores, len, group, max);
+    memset(acc, 0, sizeof(float) * (size_t)group * (size_t)d);
+    for (int t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
+        const int64_t base = (int64_t)table[b] * j->c_block + (int64_t)head * j->c_head;
+        const int m = len - t0 < bs ? len - t0 : bs;
+        for (int t = 0; t < m; ++t) {
+            const float *v = tl_row(j->v, j->dtype, base + (int64_t)t * j->c_tok, d, row);
+            for (int g = 0; g < group; ++g) {
+                const float p = scores[(int64_t)g * len + t0 + t];
+                float *ag = acc + (int64_t)g * d;
+#pragma omp simd
+                for (int i = 0; i < d; ++i)
+                    ag[i] += p * v[i];
+            }
+        }
+    }
+    tl_store(j, decode, head, acc, max);
+}
+
+/* The same for a head size D known at compile time (a multiple of 8): the row loops unroll
+ * into 8-float vectors (GCC vector extensions: AVX on x86, NEON pairs on Arm), K and V rows are
+ * widened in registers, and each dot product ends in one horizontal sum. */
+typedef float tl_v8 __attribute__((vector_size(32)));
+typedef uint16_t tl_u16x8 __attribute__((vector_size(16)));
+typedef uint32_t tl_u32x8 __attribute__((vector_size(32)));
+
+static inline tl_v8 tl_load8(const void *cache, int dtype, int64_t offset) {
+    tl_v8 x;
+    if (dtype == TL_FLOAT32) {
+        memcpy(&x, (const float *)cache + offset, sizeof x);
+    } else if (dtype == TL_BFLOAT16) {
+        tl_u16x8 h;
+        memcpy(&h, (const uint16_t *)cache + offset, sizeof h);
+        tl_u32x8 w = __builtin_convertvector(h, tl_u32x8) << 16;
+        memcpy(&x, &w, sizeof x);
+    } else {
+#ifdef __FLT16_MAX__
+        typedef _Float16 tl_h8 __attribute__((vector_size(16)));
+        tl_h8 h;
+        memcpy(&h, (const _Float16 *)cache + offset, sizeof h);
+        x = __builtin_convertvector(h, tl_v8);
+#else
+        memset(&x, 0, sizeof x); /* unreachable: the launcher refuses float16 then */
+#endif
+    }
+    return x;
+}
+
+typedef int32_t tl_i8 __attribute__((vector_size(32)));
+
+static inline tl_v8 tl_splat(float x) { return (tl_v8){x, x, x, x, x, x, x, x}; }
+
+/* Lane-wise mask ? a : b (C has no vector ?: operator); compiles to one blend. */
+static inline tl_v8 tl_select(tl_i8 mask, tl_v8 a, tl_v8 b) {
+    return (tl_v8)(((tl_i8)a & mask) | ((tl_i8)b & ~mask));
+}
+
+static inline tl_v8 tl_max8(tl_v8 a, tl_v8 b) { return tl_select(a > b, a, b); }
+
+/* tl_exp_nonpositive on 8 lanes. */
+static inline tl_v8 tl_exp8(tl_v8 x) {
+    const tl_v8 lo = tl_splat(-87.0f);
+    x = tl_max8(x, lo);
+    tl_v8 y = x * 1.44269504088896341f + 0.5f;
+    tl_i8 ni = __builtin_convertvector(y, tl_i8); /* truncates toward zero... */
+    tl_v8 n = __builtin_convertvector(ni, tl_v8);
+    ni += (tl_i8)(n > y);                         /* ...so step down where that rounded up */
+    n = __builtin_convertvector(ni, tl_v8);
+    tl_v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    tl_v8 p = tl_splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    tl_i8 bits = (ni + 127) << 23;
+    tl_v8 two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* [sum(a[0]), sum(a[1]), ..., sum(a[7])]: eight horizontal sums in 7 adds. */
+static inline tl_v8 tl_sum8x8(const tl_v8 a[8]) {
+    tl_v8 h[4], q[2];
+    for (int i = 0; i < 4; ++i) {
+        const tl_v8 x = a[2 * i], y = a[2 * i + 1];
+        h[i] = __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14)
+             + __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
+    }
+    for (int i = 0; i < 2; ++i) {
+        const tl_v8 x = h[2 * i], y = h[2 * i + 1];
+        q[i] = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13)
+             + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    return __builtin_shufflevector(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+static inline float tl_hsum8(tl_v8 x) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; ++i)
+        s += x[i];
+    return s;
+}
+
+/* Asks for rows [t, t + count) of a block (the item's heads: `width` elements from `offset`)
+ * to be brought into the cache: blocks sit at random places in the pool, so the hardware
+ * prefetcher, which follows a stream within a page, misses the start of every block. */
+static inline void tl_prefetch_rows(const void *cache, int dtype, int64_t offset, int64_t c_tok,
+                                    int count, int64_t width) {
+    const int64_t size = dtype == TL_FLOAT32 ? 4 : 2;
+    const char *base = (const char *)cache + offset * size;
+    for (int t = 0; t < count; ++t)
+        for (int64_t byte = 0; byte < width * size; byte += 64)
+            __builtin_prefetch(base + t * c_tok * size + byte, 0, 3);
+}
+
+/* One work item with the head size D (a multiple of 8) and the group size G known at compile
+ * time: the KV heads [h0, h1) of one decode. A block's rows are swept in order, 8 tokens at a
+ * time and every head of the item per token chunk, so the cache is read as contiguous memory
+ * (a block's rows hold all KV heads side by side) and each chunk is used while in L1. Dot
+ * products end in eight horizontal sums at once; exp runs on 8 lanes. `scores` holds
+ * [(h1 - h0) * G][len], `acc_mem` [(h1 - h0) * G][D] (32-byte aligned). */
+static inline __attribute__((always_inline)) void tl_attend_fixed(
+    const tl_job *j, int decode, int h0, int h1, float *scores, float *acc_mem, const int D,
+    const int G) {
+    enum { MAXC = 16 }; /* D <= 128 */
+    const int C = D / 8, heads = (h1 - h0) * G;
+    const int bs = j->block_size, dtype = j->dtype, len = j->lens[decode];
+    const int64_t c_tok = j->c_tok, c_head = j->c_head;
+    const int32_t *table = j->tables + (int64_t)j->seqs[decode] * j->table_stride;
+    const float *q = j->q + (int64_t)j->rows[decode] * j->q_tok + (int64_t)h0 * G * j->q_head;
+    tl_v8 *qv = (tl_v8 *)acc_mem; /* [heads][C] pre-scaled queries, until pass 3 needs acc */
+    tl_v8 maxv[TL_MAX_HEADS];
+    float max[TL_MAX_HEADS], inv_sum[TL_MAX_HEADS];
+
+    for (int x = 0; x < heads; ++x) {
+        for (int c = 0; c < C; ++c) {
+            memcpy(&qv[x * C + c], q + (int64_t)x * j->q_head + 8 * c, sizeof(tl_v8));
+            qv[x * C + c] *= j->scale; /* the reference scales q . k: 1 ulp apart */
+        }
+        maxv[x] = tl_splat(-FLT_MAX);
+        max[x] = -FLT_MAX;
+    }
+    const int64_t width = (int64_t)(h1 - h0 - 1) * c_head + D; /* an item's part of a row */
+    /* Pass 1: scores and their max. */
+    for (int t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
+        const int64_t base = (int64_t)table[b] * j->c_block + (int64_t)h0 * c_head;
+        const int m = len - t0 < bs ? len - t0 : bs;
+        const int next_m = len - t0 - bs < bs ? len - t0 - bs : bs; /* <= 0: last block */
+        const int64_t next = next_m > 0 ? (int64_t)table[b + 1] * j->c_block + (int64_t)h0 * c_head : 0;
+        int t = 0;
+        for (; t + 8 <= m; t += 8) {
+            if (t < next_m)
+                tl_prefetch_rows(j->k, dtype, next + t * c_tok, c_tok, next_m - t < 8 ? next_m - t : 8, width);
+            for (int h = 0; h < h1 - h0; ++h) {
+                for (int g = 0; g < G; ++g) {
+                    const int x = h * G + g;
+                    const tl_v8 *qx = qv + x * C;
+                    tl_v8 dots[8];
+                    for (int u = 0; u < 8; ++u) {
+                        const int64_t off = base + (int64_t)(t + u) * c_tok + h * c_head;
+                        tl_v8 sum = qx[0] * tl_load8(j->k, dtype, off);
+                        for (int c = 1; c < C; ++c)
+                            sum += qx[c] * tl_load8(j->k, dtype, off + 8 * c);
+                        dots[u] = sum;
+                    }
+                    const tl_v8 sc = tl_sum8x8(dots);
+                    memcpy(scores + (int64_t)x * len + t0 + t, &sc, sizeof sc);
+                    maxv[x] = tl_max8(sc, maxv[x]);
+                }
+            }
+        }
+        for (; t < m; ++t) {
+            for (int h = 0; h < h1 - h0; ++h) {
+                const int64_t off = base + (int64_t)t * c_tok + h * c_head;
+                for (int g = 0; g < G; ++g) {
+                    const int x = h * G + g;
+                    const tl_v8 *qx = qv + x * C;
+                    tl_v8 sum = qx[0] * tl_load8(j->k, dtype, off);
+                    for (int c = 1; c < C; ++c)
+                        sum += qx[c] * tl_load8(j->k, dtype, off + 8 * c);
+                    const float sc = tl_hsum8(sum);
+                    scores[(int64_t)x * len + t0 + t] = sc;
+                    max[x] = sc > max[x] ? sc : max[x];
+                }
+            }
+        }
+    }
+    /* Pass 2: probabilities (unnormalized) and their sums. */
+    for (int x = 0; x < heads; ++x) {
+        float mx = max[x];
+        for (int i = 0; i < 8; ++i)
+            mx = maxv[x][i] > mx ? maxv[x][i] : mx;
+        float *sx = scores + (int64_t)x * len;
+        tl_v8 sumv = tl_splat(0.0f);
+        int t = 0;
+        for (; t + 8 <= len; t += 8) {
+            tl_v8 e;
+            memcpy(&e, sx + t, sizeof e);
+            e = tl_exp8(e - mx);
+            memcpy(sx + t, &e, sizeof e);
+            sumv += e;
+        }
+        float sum = tl_hsum8(sumv);
+        for (; t < len; ++t) {
+            sx[t] = tl_exp_nonpositive(sx[t] - mx);
+            sum += sx[t];
+        }
+        inv_sum[x] = 1.0f / sum; /* sum >= 1: the max's own term is exp(0) */
+    }
+    /* Pass 3: the weighted sum of V rows. */
+    tl_v8 *acc = (tl_v8 *)acc_mem; /* [heads][C] */
+    for (int i = 0; i < heads * C; ++i)
+        acc[i] = tl_splat(0.0f);
+    for (int t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
+        const int64_t base = (int64_t)table[b] * j->c_block + (int64_t)h0 * c_head;
+        const int m = len - t0 < bs ? len - t0 : bs;
+        const int next_m = len - t0 - bs < bs ? len - t0 - bs : bs;
+        if (next_m > 0)
+            tl_prefetch_rows(j->v, dtype, (int64_t)table[b + 1] * j->c_block + (int64_t)h0 * c_head,
+                             c_tok, next_m, width);
+        for (int t = 0; t < m; ++t) {
+            for (int h = 0; h < h1 - h0; ++h) {
+                const int64_t off = base + (int64_t)t * c_tok + h * c_head;
+                float p[G];
+                for (int g = 0; g < G; ++g)
+                    p[g] = scores[(int64_t)(h * G + g) * len + t0 + t];
+                for (int c = 0; c < C; ++c) {
+                    const tl_v8 v = tl_load8(j->v, dtype, off + 8 * c);
+                    for (int g = 0; g < G; ++g)
+                        acc[(h * G + g) * C + c] += p[g] * v;
+                }
+            }
+        }
+    }
+    for (int x = 0; x < heads; ++x) {
+        float *o = j->out + (int64_t)j->rows[decode] * j->o_tok + (int64_t)(h0 * G + x) * j->o_head;
+        for (int c = 0; c < C; ++c) {
+            const tl_v8 y = acc[x * C + c] * inv_sum[x];
+            memcpy(o + 8 * c, &y, sizeof y);
+        }
+    }
+}
+
+#define TL_FIXED(D, G) \
+    case (D) * 16 + (G): tl_attend_fixed(j, decode, h0, h1, scores, acc, (D), (G)); return
+
+/* Work item `item`: KV heads [h0, h0 + heads_per_item) of decode item / items_per_decode. */
+static void tl_attend(const tl_job *j, int item, float *scores, float *row, float *acc) {
+    const int per_decode = j->hkv / j->heads_per_item;
+    const int decode = item / per_decode, h0 = item % per_decode * j->heads_per_item;
+    const int h1 = h0 + j->heads_per_item;
+    switch (j->d * 16 + j->hq / j->hkv) {
+    TL_FIXED(32, 1); TL_FIXED(32, 2); TL_FIXED(32, 4); TL_FIXED(32, 8);
+    TL_FIXED(64, 1); TL_FIXED(64, 2); TL_FIXED(64, 4); TL_FIXED(64, 8);
+    TL_FIXED(128, 1); TL_FIXED(128, 2); TL_FIXED(128, 4); TL_FIXED(128, 8);
+    default:
+        for (int h = h0; h < h1; ++h)
+            tl_attend_any(j, decode, h, scores, row, acc);
+    }
+}
+
+static void *tl_worker(void *arg) {
+    tl_job *j = (tl_job *)arg;
+    const int heads = j->heads_per_item * (j->hq / j->hkv);
+    const int items = j->n * (j->hkv / j->heads_per_item);
+    /* acc [heads][d] first (32-byte aligned for the vector path), then row [d], scores
+     * [heads][max_len]. */
+    void *scratch = NULL;
+    if (posix_memalign(&scratch, 64, sizeof(float) * ((size_t)heads * (size_t)j->d + (size_t)j->d
+                                                       + (size_t)heads * (size_t)j->max_len))) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return NULL;
+    }
+    float *acc = scratch, *row = acc + (size_t)heads * j->d, *scores = row + j->d;
+    for (;;) {
+        const int item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (item >= items)
+            break;
+        tl_attend(j, item, scores, row, acc);
+    }
+    free(scratch);
+    return NULL;
+}
+
+/* Returns TL_OK, or an error code with nothing guaranteed written. `max_len` >= every lens[i].
+ * A thread that cannot be started leaves its share to the others. */
+int tl_paged_decode_attention(
+    const float *q, int64_t q_tok, int64_t q_head,
+    const void *k_cache, const void *v_cache, int dtype,
+    int64_t c_block, int64_t c_tok, int64_t c_head,
+    const int32_t *tables, int64_t table_stride,
+    const int32_t *rows, const int32_t *seqs, const int32_t *lens, int n,
+    int hq, int hkv, int d, int block_size, int max_len, float scale,
+    float *out, int64_t o_tok, int64_t o_head, int num_threads) {
+    if (dtype != TL_FLOAT32 && dtype != TL_BFLOAT16) {
+#ifndef __FLT16_MAX__
+        return TL_BAD_DTYPE;
+#else
+        if (dtype != TL_FLOAT16)
+            return TL_BAD_DTYPE;
+#endif
+    }
+    if (n < 0 || hkv <= 0 || hq % hkv || hq / hkv > TL_MAX_GROUP || d <= 0 || block_size <= 0
+        || max_len <= 0)
+        return TL_BAD_SHAPE;
+    if (n == 0)
+        return TL_OK;
+    tl_job job = {.q = q, .q_tok = q_tok, .q_head = q_head, .k = k_cache, .v = v_cache,
+                  .dtype = dtype, .c_block = c_block, .c_tok = c_tok, .c_head = c_head,
+                  .tables = tables, .table_stride = table_stride, .rows = rows, .seqs = seqs,
+                  .lens = lens, .n = n, .hq = hq, .hkv = hkv, .d = d, .block_size = block_size,
+                  .max_len = max_len, .scale = scale, .out = out, .o_tok = o_tok,
+                  .o_head = o_head};
+    /* Whole block rows (every KV head of a decode) per item read the cache contiguously;
+     * with few decodes for the threads, one KV head per item spreads the work instead. */
+    job.heads_per_item = (num_threads == 1 || n >= 4 * num_threads) && hq <= TL_MAX_HEADS ? hkv : 1;
+    const int items = n * (hkv / job.heads_per_item);
+    if (num_threads > items)
+        num_threads = items;
+    if (num_threads > 256)
+        num_threads = 256;
+    pthread_t threads[256];
+    int started = 0;
+    for (int i = 1; i < num_threads; ++i)
+        if (pthread_create(&threads[started], NULL, tl_worker, &job) == 0)
+            ++started;
+    tl_worker(&job);
+    for (int i = 0; i < started; ++i)
+        pthread_join(threads[i], NULL);
+    /* A worker that failed to allocate took no item; if every thread failed, nothing ran. */
+    if (job.failed && __atomic_load_n(&job.next, __ATOMIC_RELAXED) < items)
+        return TL_NO_MEMORY;
+    return TL_OK;
+}

@@ -1,0 +1,208 @@
+"""The C decode-attention kernel for the CPU (kernels/cpu_native.c): build, load, launch.
+
+The source is compiled once per machine with the system C compiler (`cc`, or `$CC`) for the
+host's own instruction set (-march=native) into a shared library cached under
+`$TOKENLANE_CACHE_DIR` (default `$XDG_CACHE_HOME/tokenlane` or `~/.cache/tokenlane`, else the
+temp directory), named by a hash of the source, the compiler's version, the flags and the CPU's
+feature flags; a build takes about a second. It is called through ctypes, which releases the
+GIL for the call. Without a compiler (or when the build fails) `load()` returns None, logs
+why once, and the engine keeps the torch path (kernels/cpu_attention.py).
+
+`paged_decode_attention` is the one launcher: it checks shapes, strides and dtypes, then runs
+every decode of a batch in one call. Results equal the torch reference up to float32
+summation order (tests/kernels/test_cpu_native.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("tokenlane.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+CACHE_ENV = "TOKENLANE_CACHE_DIR"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
+
+# The C kernel's cache dtype codes.
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ERRORS = {1: "unsupported cache dtype", 2: "out of memory", 3: "bad shape"}
+MAX_GROUP = 64  # query heads per KV head (TL_MAX_GROUP in the C source)
+
+_lock = threading.Lock()
+_loaded: Optional[ctypes.CDLL] = None
+_load_error: Optional[str] = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tokenlane"
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The built library, or None (the reason is in `load_error()` and logged once)."""
+    global _loaded, _load_error, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _loaded = _bind(ctypes.CDLL(str(_build())))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _load_error = str(exc)
+                log.warning("native CPU attention unavailable, using the torch path: %s", exc)
+        return _loaded
+
+
+def load_error() -> Optional[str]:
+    return _load_error
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: -march=native code must not be reused on another CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
+                                 timeout=30, check=True).stdout
+    except FileNotFoundError:
+        raise RuntimeError(f"no C compiler ({_compiler()!r} not found; set CC)") from None
+    key = hashlib.sha256(b"\0".join([
+        source, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
+    ])).hexdigest()[:16]
+    errors = []
+    for directory in (cache_dir() / "native", Path(tempfile.gettempdir()) / "tokenlane-native"):
+        library = directory / f"cpu_native-{key}.so"
+        if library.exists():
+            return library
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            # Built under a private name and renamed: processes that build at once never load
+            # a half-written library.
+            fd, partial = tempfile.mkstemp(dir=directory, prefix=".cpu_native-", suffix=".so")
+            os.close(fd)
+        except OSError as exc:
+            errors.append(f"{directory}: {exc}")
+            continue
+        try:
+            result = subprocess.run([_compiler(), *FLAGS, "-o", partial, str(SOURCE), "-lm"],
+                                    capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                raise RuntimeError(f"{_compiler()} failed: {result.stderr.strip()[-2000:]}")
+            os.replace(partial, library)
+            log.info("built the native CPU attention kernel: %s", library)
+            return library
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    raise RuntimeError("no writable cache directory: " + "; ".join(errors))
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn = lib.tl_paged_decode_attention
+    fn.restype = i32
+    fn.argtypes = [
+        ptr, i64, i64,  # q, its token and head strides
+        ptr, ptr, i32,  # k cache, v cache, dtype code
+        i64, i64, i64,  # cache block, token and head strides
+        ptr, i64,  # block tables, row stride
+        ptr, ptr, ptr, i32,  # rows, seqs, lens, n
+        i32, i32, i32, i32, i32, ctypes.c_float,  # hq, hkv, d, block_size, max_len, scale
+        ptr, i64, i64,  # out, its token and head strides
+        i32,  # threads
+    ]
+    return lib
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [T, Hq, D] float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32 | bfloat16 | float16
+    value_cache: torch.Tensor,  # same shape, dtype and strides as key_cache
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    rows: torch.Tensor,  # [n] int32: query (= output) row of each decode
+    seqs: torch.Tensor,  # [n] int32: block-table row of each decode
+    lens: torch.Tensor,  # [n] int32: context length of each decode, in [1, max_len]
+    max_len: int,
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D] float32
+    num_threads: int = 1,
+) -> torch.Tensor:
+    """out[rows[i]] = attention of query[rows[i]] over the first lens[i] cached tokens of
+    block-table row seqs[i]. The other rows of `out` are left as they are. The index tensors
+    are trusted (the caller built them from the batch metadata): the C code does not bound-check
+    block numbers."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU attention is not available: {_load_error}")
+    t, hq, d = query.shape
+    num_blocks, block_size, hkv, dk = key_cache.shape
+    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value cache {tuple(value_cache.shape)}/{value_cache.stride()} must match "
+                         f"the key cache {tuple(key_cache.shape)}/{key_cache.stride()}")
+    if dk != d or out.shape != query.shape:
+        raise ValueError(f"head size / output shape mismatch: query {tuple(query.shape)}, "
+                         f"cache {tuple(key_cache.shape)}, out {tuple(out.shape)}")
+    if hq % hkv or hq // hkv > MAX_GROUP:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv}), "
+                         f"at most {MAX_GROUP} per KV head")
+    if query.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError(f"query and out must be float32, got {query.dtype} and {out.dtype}")
+    if key_cache.dtype not in _DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"cache dtype must be one of {list(_DTYPES)}, got {key_cache.dtype}")
+    for name, tensor in (("query", query), ("out", out), ("key_cache", key_cache)):
+        if tensor.device.type != "cpu" or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be a CPU tensor with a contiguous last axis")
+    index = (rows, seqs, lens)
+    if any(x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous() for x in index) or \
+            len({x.numel() for x in index}) != 1:
+        raise ValueError("rows, seqs and lens must be contiguous int32 vectors of one length")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be int32 with a contiguous last axis")
+    n = rows.numel()
+    if n == 0:
+        return out
+    assert max_len >= 1 and -(-max_len // block_size) <= block_tables.shape[1], \
+        (max_len, block_size, block_tables.shape)
+    code = lib.tl_paged_decode_attention(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPES[key_cache.dtype],
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.data_ptr(), block_tables.stride(0),
+        rows.data_ptr(), seqs.data_ptr(), lens.data_ptr(), n,
+        hq, hkv, d, block_size, max_len, float(scale),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        max(1, int(num_threads)),
+    )
+    if code:
+        raise RuntimeError(f"native CPU attention failed: {_ERRORS.get(code, code)}")
+    return out

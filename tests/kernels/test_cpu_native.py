@@ -1,0 +1,197 @@
+"""kernels/cpu_native.c (the CPU `backend="native"` decode kernel) against the float64 dense
+reference and the torch reference: head sizes on the vector path (32, 64, 128) and off it
+(16, 80), GQA ratios 1-8 and one outside the fixed set (3), block sizes 1-32, float32 /
+bfloat16 / float16 caches, one and two threads, thousands of blocks; plus the launcher's
+checks and the build's fallback when there is no compiler.
+
+The test caches hold NaN in every block no sequence owns and in the table padding
+(tests/kernels/conftest.py), so a read past a sequence's context shows up as NaN."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenlane.kernels import api, cpu_native
+from tokenlane.kernels.cpu_attention import paged_attention_cpu
+from tokenlane.kernels.reference import paged_attention_ref
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(),
+                                reason=f"no C compiler here: {cpu_native.load_error()}")
+
+# (context length, query length): decodes of spread lengths (some not a multiple of 8, the
+# vector path's token chunk, or of the block size), chunks with cached context, a fresh chunk,
+# an idle sequence; shuffled per case.
+MIXED = [(37, 1), (1, 1), (120, 1), (96, 1), (50, 9), (17, 17), (64, 1), (5, 0), (33, 1),
+         (90, 32), (2, 1), (119, 1), (8, 1), (16, 1), (45, 1)]
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def run(case, threads=1, query_dtype=torch.float32):
+    query = case.query.to(query_dtype)
+    out = torch.full_like(query, float("nan"))
+    torch.set_num_threads(threads)
+    try:
+        paged_attention_cpu(query, case.key_cache, case.value_cache, case.block_tables,
+                            case.seq_lens, case.query_start_loc, case.scale, out, native=True)
+    finally:
+        torch.set_num_threads(1)
+    return out
+
+
+def check(got, case, kcase, atol=2e-5):
+    """Against float64 dense attention over the same K/V and query (the test query is
+    already rounded to the cache dtype, so widening it to float32 is exact)."""
+    assert not torch.isnan(got).any(), "unwritten rows, or a read past a sequence's context"
+    torch.testing.assert_close(got.double(), kcase.dense(case), atol=atol, rtol=atol)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread(one_torch_thread):  # tests/conftest.py
+    yield
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_mixed_batch_matches_dense_reference(kcase, group, head_dim, cache_dtype):
+    shapes = MIXED[:]
+    rng = random.Random(group * 1000 + head_dim)
+    rng.shuffle(shapes)
+    block_size = rng.choice([1, 8, 16, 32])
+    case = kcase.build([c for c, _ in shapes], [q for _, q in shapes], num_heads=2 * group,
+                       num_kv_heads=2, head_dim=head_dim, block_size=block_size,
+                       dtype=cache_dtype, seed=group + head_dim)
+    check(run(case), case, kcase)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_many_decodes_on_threads_match_torch_path(kcase, threads, cache_dtype):
+    """64 decodes of 16-700 tokens (enough work for every thread), block size 16, against
+    the torch path (grouped SDPA) on the same inputs."""
+    rng = random.Random(threads)
+    shapes = [(rng.randint(16, 700), 1) for _ in range(64)] + [(200, 40)]
+    case = kcase.build([c for c, _ in shapes], [q for _, q in shapes], num_heads=8,
+                       num_kv_heads=4, head_dim=32, block_size=16, dtype=cache_dtype)
+    got = run(case, threads)
+    torch_path = paged_attention_cpu(case.query.float(), case.key_cache, case.value_cache,
+                                     case.block_tables, case.seq_lens, case.query_start_loc,
+                                     case.scale)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, torch_path, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_few_decodes_on_two_threads_split_by_head(kcase, group):
+    """Fewer decodes than 4 per thread, with enough work for both threads: the work is cut
+    per KV head instead of per decode."""
+    from tokenlane.kernels import cpu_attention
+
+    lens = [3000, 1500, 2100, 64]
+    assert sum(lens[:3]) * 4 >= cpu_attention._NATIVE_PARALLEL_ROWS  # two threads run
+    case = kcase.build(lens, [1, 1, 1, 7], num_heads=4 * group, num_kv_heads=4, head_dim=64,
+                       block_size=16)
+    check(run(case, threads=2), case, kcase)
+
+
+def test_bf16_queries_write_bf16_rows(kcase):
+    """A bf16 model computing in bf16: queries are widened, the output rounded back."""
+    case = kcase.build([c for c, _ in MIXED], [q for _, q in MIXED], num_heads=4,
+                       num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
+    got = run(case, query_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+            case.query_start_loc, case.scale)
+    torch.testing.assert_close(got, paged_attention_ref(*args), atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_large_pool_and_long_tables(kcase):
+    """Thousands of blocks and tables with hundreds of entries (block size 1)."""
+    rng = random.Random(1)
+    shapes = [(rng.randint(200, 700), 1) for _ in range(12)] + [(400, 24)]
+    case = kcase.build([c for c, _ in shapes], [q for _, q in shapes], num_heads=8,
+                       num_kv_heads=2, head_dim=64, block_size=1, num_blocks=12000,
+                       spare_blocks=0, poison_cache=False)
+    assert case.block_tables.shape[1] > 600
+    check(run(case, threads=2), case, kcase)
+
+
+def test_api_dispatch_and_backend_resolution(kcase):
+    cpu = torch.device("cpu")
+    assert api.resolve_backend("auto", cpu) == "native"
+    assert api.resolve_backend("native", cpu) == "native"
+    with pytest.raises(ValueError, match="CPU only"):
+        api.resolve_backend("native", torch.device("cuda"))
+    case = kcase.build([40, 7, 90], [1, 1, 5], num_heads=4, num_kv_heads=2, head_dim=32)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+            case.query_start_loc, case.scale)
+    got = api.paged_attention(*args, out=kcase.poisoned_out(case), backend="native")
+    check(got, case, kcase)
+
+
+def test_launcher_rejects_bad_inputs(kcase):
+    case = kcase.build([40, 7], [1, 1], num_heads=4, num_kv_heads=2, head_dim=32)
+    q, k, v, tables = case.query, case.key_cache, case.value_cache, case.block_tables
+    rows = torch.tensor([0, 1], dtype=torch.int32)
+    lens = case.seq_lens.clone()
+    out = torch.empty_like(q)
+
+    def launch(**kw):
+        a = dict(query=q, key_cache=k, value_cache=v, block_tables=tables, rows=rows, seqs=rows,
+                 lens=lens, max_len=40, scale=case.scale, out=out)
+        a.update(kw)
+        return cpu_native.paged_decode_attention(**a)
+
+    with pytest.raises(ValueError, match="float32"):
+        launch(query=q.double(), out=out.double())
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        launch(query=q[:, :3].contiguous(), out=out[:, :3].contiguous())
+    with pytest.raises(ValueError, match="must match the key cache"):
+        launch(value_cache=v[:, :8])
+    with pytest.raises(ValueError, match="cache dtype"):
+        launch(key_cache=k.double(), value_cache=v.double())
+    with pytest.raises(ValueError, match="int32"):
+        launch(rows=rows.long())
+    with pytest.raises(ValueError, match="one length"):
+        launch(lens=lens[:1])
+    with pytest.raises(ValueError, match="contiguous last axis"):
+        launch(query=q.transpose(1, 2).contiguous().transpose(1, 2))
+    launch()  # the same call with good inputs runs
+    torch.testing.assert_close(out, paged_attention_ref(
+        q, k, v, tables, case.seq_lens, case.query_start_loc, case.scale))
+
+
+def test_no_compiler_falls_back_to_torch_with_the_reason(monkeypatch, tmp_path):
+    """Without a working compiler `auto` keeps the torch path and `native` is refused with
+    the compiler's reason; a fresh cache directory is used (no stale library found)."""
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setattr(cpu_native, "_load_error", None)
+    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(cpu_native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert not cpu_native.available()
+    assert "no C compiler" in cpu_native.load_error()
+    cpu = torch.device("cpu")
+    assert api.resolve_backend("auto", cpu) == "torch"
+    with pytest.raises(ValueError, match="could not be built here"):
+        api.resolve_backend("native", cpu)
+
+
+def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
+    """A fresh cache directory gets one library named by the key; a second load reuses it."""
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
+    assert cpu_native.available()
+    built = sorted(p.name for p in (tmp_path / "native").iterdir())
+    assert len(built) == 1 and built[0].startswith("cpu_native-") and built[0].endswith(".so")
+    mtime = (tmp_path / "native" / built[0]).stat().st_mtime_ns
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    assert cpu_native.available()
+    assert (tmp_path / "native" / built[0]).stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == built
