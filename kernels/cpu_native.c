@@ -486,3 +486,43 @@ int tl_paged_decode_attention(
         return TL_NO_MEMORY;
     return TL_OK;
 }
+
+/* Greedy sampling's argmax of each row of a float32 [rows, cols] matrix (row stride `stride`
+ * elements), as torch.argmax: the first index of the largest value, and the first NaN if a
+ * row has one (NaN compares above everything). Two passes per row (max, then its first
+ * index) over a row that stays in cache between them. */
+int tl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
+    if (rows < 0 || cols <= 0)
+        return TL_BAD_SHAPE;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * stride;
+        tl_v8 maxv = tl_splat(-INFINITY);
+        tl_i8 nan = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) {
+            tl_v8 v;
+            memcpy(&v, row + c, sizeof v);
+            nan |= (tl_i8)(v != v);
+            maxv = tl_max8(v, maxv);
+        }
+        float best = -INFINITY;
+        int has_nan = 0;
+        for (int i = 0; i < 8; ++i) {
+            has_nan |= nan[i] != 0;
+            best = maxv[i] > best ? maxv[i] : best;
+        }
+        for (int64_t t = c; t < cols; ++t) {
+            has_nan |= row[t] != row[t];
+            best = row[t] > best ? row[t] : best;
+        }
+        int64_t index = 0;
+        for (int64_t t = 0; t < cols; ++t) {
+            if (has_nan ? row[t] != row[t] : row[t] == best) {
+                index = t;
+                break;
+            }
+        }
+        out[r] = index;
+    }
+    return TL_OK;
+}

@@ -141,7 +141,29 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, i64, i64,  # out, its token and head strides
         i32,  # threads
     ]
+    argmax = lib.tl_argmax_rows
+    argmax.restype = i32
+    argmax.argtypes = [ptr, i64, i64, i64, ptr]  # x, rows, cols, row stride, out
     return lib
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a float32 CPU matrix [rows, cols] with a contiguous last axis:
+    the same indices (first maximum; first NaN where a row has one), one pass less slow than
+    torch's reduction on a [64, 32000] logits batch."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels are not available: {_load_error}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1:
+        raise ValueError(f"argmax_rows needs a float32 CPU matrix with a contiguous last axis, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
+    if x.shape[1] == 0:
+        raise ValueError("argmax_rows of an empty row")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    code = lib.tl_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    if code:
+        raise RuntimeError(f"native argmax failed: {_ERRORS.get(code, code)}")
+    return out
 
 
 def paged_decode_attention(

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from tokenlane.kernels import api as kernels
 from tokenlane.runtime.request import SamplingParams
 
 
@@ -170,7 +171,7 @@ class Sampler:
                 raise ValueError("penalties and min_tokens need the requests' token histories")
             logits = apply_logits_processors(logits, params, histories)
         greedy = [p.greedy or p.temperature < MIN_TEMPERATURE for p in params]
-        tokens = logits.argmax(dim=-1)
+        tokens = kernels.argmax_rows(logits)
         if all(greedy):
             return tokens.tolist()
 

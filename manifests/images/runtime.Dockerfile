@@ -65,6 +65,8 @@ LABEL org.opencontainers.image.title="tokenlane" \
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton compiles a small host-side launcher with the C compiler the first time a kernel
 # runs, so gcc and the Python headers stay in the final image whenever triton is installed.
+# On a CPU-only node the same gcc builds the C decode-attention kernel at start-up
+# (kernels/cpu_native.c, cached under $XDG_CACHE_HOME); without gcc the torch path runs.
 RUN compiler="" \
  && case ",${EXTRAS}," in *,triton,*) compiler="gcc libc6-dev python3-dev" ;; esac \
  && apt-get update \

@@ -195,3 +195,24 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     assert cpu_native.available()
     assert (tmp_path / "native" / built[0]).stat().st_mtime_ns == mtime
     assert sorted(p.name for p in (tmp_path / "native").iterdir()) == built
+
+
+def test_argmax_rows_matches_torch_including_ties_nan_and_inf():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 32000, generator=gen)
+    x[0, [10, 20]] = x[0].max() + 1  # a tie: the first index wins
+    x[1, [30000, 5]] = float("nan")  # NaN wins, the first one
+    x[2] = float("-inf")  # every value masked (index 0, as torch)
+    x[3, 31999] = float("inf")
+    x[4] = 0.0  # all equal
+    x[5, :-3] = float("-inf")  # only the tail (past the last full 8-lane chunk) is finite
+    x[6, 7] = float("nan")
+    odd = torch.randn(4, 13, generator=gen)  # a width that is not a multiple of 8
+    strided = torch.randn(5, 40, generator=gen)[:, :33]  # a row stride != width
+    for batch in (x, odd, strided, x[:0]):
+        assert torch.equal(cpu_native.argmax_rows(batch), batch.argmax(dim=-1)), batch.shape
+        assert torch.equal(api.argmax_rows(batch), batch.argmax(dim=-1))
+    bf16 = x.to(torch.bfloat16)  # other dtypes take torch's own argmax
+    assert torch.equal(api.argmax_rows(bf16), bf16.argmax(dim=-1))
+    with pytest.raises(ValueError, match="float32 CPU matrix"):
+        cpu_native.argmax_rows(x.double())
