@@ -193,7 +193,9 @@ def _pool_blocks(subject: Subject, config: RuntimeConfig) -> Optional[int]:
         return engine.kv_cache_blocks
     if engine.executor != "model" or not subject.on_cpu or not subject.checkpoint:
         return None
-    dtype_bytes = _DTYPE_BYTES.get(config.model.dtype, 4)  # auto on CPU = float32
+    # The cache's dtype: engine.kvCacheDtype, else the model's (auto on CPU = float32).
+    kv_dtype = engine.kv_cache_dtype if engine.kv_cache_dtype != "auto" else config.model.dtype
+    dtype_bytes = _DTYPE_BYTES.get(kv_dtype, 4)
     per_block = subject.checkpoint.kv_bytes_per_block(engine.block_size, dtype_bytes)
     return int(engine.cpu_kv_cache_gib * 2**30 // per_block)
 

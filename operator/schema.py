@@ -265,6 +265,10 @@ def model_service_spec() -> dict:
             "cpuComputeDtype": _str("Dtype of the dense layers on the CPU: auto = float32 when the CPU has no "
                                     "native bf16/fp16 matmul, model = the model dtype, float32. The KV cache "
                                     "keeps the model dtype.", default="auto", enum=["auto", "model", "float32"]),
+            "kvCacheDtype": _str("Dtype of the KV cache: auto = the model dtype; bfloat16 or float16 halve a "
+                                 "float32 model's KV memory (twice the blocks) and the bytes decode "
+                                 "attention reads, at bf16/fp16 rounding of keys and values.",
+                                 default="auto", enum=["auto", "float32", "bfloat16", "float16"]),
             "attentionBackend": _str("auto = Triton on CUDA; on the CPU the C decode kernel (native) when a C "
                                      "compiler is present, else torch.", default="auto",
                                      enum=["auto", "torch", "triton", "native"]),

@@ -35,6 +35,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 EXECUTORS = ("model", "simulated")
 CPU_COMPUTE_DTYPES = ("auto", "model", "float32")  # engine.cpuComputeDtype (runtime/cpu_dense.py)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # engine.kvCacheDtype
 MAX_CUDA_GRAPH_BATCH = 512  # engine.cudaGraphMaxBatch: static buffers and start-up grow with it
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -277,6 +278,9 @@ class EngineConfig:
     # The CPU's dense-layer dtype; auto = float32 when the CPU has no native bf16/fp16 matmul.
     # The KV cache keeps the model dtype either way.
     cpu_compute_dtype: str = "auto"
+    # The KV cache's dtype; auto = the model dtype. A narrower cache holds more blocks in the
+    # same memory and halves the bytes decode attention reads.
+    kv_cache_dtype: str = "auto"
     # auto = triton on CUDA; on the CPU native (the C decode kernel) if it builds, else torch.
     attention_backend: str = "auto"
     # Decode steps replay CUDA graphs recorded at start-up (runtime/cuda_graphs.py); off until
@@ -310,6 +314,11 @@ class EngineConfig:
             self.cpu_compute_dtype in CPU_COMPUTE_DTYPES,
             "cpuComputeDtype",
             f"must be one of {CPU_COMPUTE_DTYPES}, got {self.cpu_compute_dtype!r}",
+        )
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kvCacheDtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
         )
         _check(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -67,6 +67,11 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def select_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """engine.kvCacheDtype: auto = the model's dtype."""
+    return model_dtype if name == "auto" else getattr(torch, name)
+
+
 def select_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
@@ -123,11 +128,13 @@ class ModelExecutor:
             limit = self.args.sliding_window
         self.max_model_len = limit
 
+        # engine.kvCacheDtype: the model dtype unless set; the kernels widen a narrower cache.
+        self.kv_dtype = select_kv_cache_dtype(config.engine.kv_cache_dtype, self.dtype)
         self.num_kv_blocks = self._pool_size()
         shape = (self.num_kv_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.args.num_layers)
         ]
         self.sampler = Sampler(self.device, seed=config.engine.seed)
@@ -148,7 +155,7 @@ class ModelExecutor:
 
     def _pool_size(self) -> int:
         engine = self.config.engine
-        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.kv_dtype)
         if engine.kv_cache_blocks:
             return engine.kv_cache_blocks
         if self.device.type == "cuda":
@@ -173,8 +180,8 @@ class ModelExecutor:
         tokens = min(self.config.scheduler.max_batched_tokens, self.max_model_len)
         n_blocks = -(-tokens // self.block_size)
         shape = (n_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device))
+        caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                   for _ in range(self.args.num_layers)]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
