@@ -389,7 +389,9 @@ async def _guard(op: Any, run: _Run, out: _Outcome) -> rollout.RolloutDecision:
     elif guard.action == rollout.ROLLBACK:
         # The failing revision's pods dump their flight recorders before the LKG replaces them.
         dumped = await dumps.dump_runtimes(run.spec_tuning.get("prometheusUrl"), run.msvc.namespace,
-                                           run.desired.shared.config.model.name, f"rollback of revision {run.revision}")
+                                           run.desired.shared.config.model.name, f"rollback of revision {run.revision}",
+                                           tenant_key_digests=[t.get("apiKeySha256") for t in
+                                                               run.msvc.spec.get("tenants") or []])
         out.events.append(("Warning", "RolledBack", f"{guard.message.rstrip('.')}. {dumped}" if dumped else guard.message))
         out.conditions.append(status_mod.condition("RolledBack", True, guard.reason, guard.message))
         out.reconcile = True

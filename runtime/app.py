@@ -11,6 +11,7 @@ The generation endpoints themselves are in runtime/completions.py.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import uuid
@@ -172,6 +173,10 @@ class ServerState:
         self.recorder: Optional[FlightRecorder] = None
         if options.flight_recorder_steps > 0:
             self.recorder = FlightRecorder(options.flight_recorder_steps, self.engine.config)
+        # Dumps have a thread of their own: in asyncio's default executor they would queue
+        # behind tokenization (long prompts, /tokenize) and /debug/steps under a flood, and
+        # the operator's dump at a rollback gives up after a few seconds.
+        self._dump_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenlane-dump")
 
     @property
     def config(self) -> RuntimeConfig:
@@ -191,14 +196,18 @@ class ServerState:
                           reason=reason)
 
     async def dump(self, reason: str) -> Optional[Path]:
-        """`write_dump` in a worker thread; logs the path, or the error (None) and goes on."""
+        """`write_dump` in the dump thread; logs the path, or the error (None) and goes on."""
         try:
-            path = await asyncio.to_thread(self.write_dump, reason)
+            path = await asyncio.get_running_loop().run_in_executor(self._dump_worker, self.write_dump, reason)
         except Exception as exc:
             log.error("flight recorder dump (%s) to %s failed: %s", reason, self.options.dump_dir, exc)
             return None
         log.info("flight recorder dump (%s) written to %s", reason, path)
         return path
+
+    def close(self) -> None:
+        """Let the dump thread go once its dump (if any) is written."""
+        self._dump_worker.shutdown(wait=False)
 
     def begin_drain(self) -> asyncio.Task:
         """Stop admitting; finish in-flight work within the grace period (idempotent)."""
@@ -254,6 +263,7 @@ def create_app(
             if watcher is not None:
                 await watcher.stop()
             await state.begin_drain()
+            state.close()
 
     app = FastAPI(title="tokenlane", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tokenlane = state

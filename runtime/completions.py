@@ -13,6 +13,11 @@ A batch is all or nothing: a prompt refused at admission, or one that fails part
 cancels the others, and the cause (not the prompts cancelled because of it) decides the
 status. The first output of every prompt is awaited before answering, so a queue timeout or
 late rejection still gets its own status (504/429/503) rather than a 200 and an error event.
+
+vLLM's `return_token_ids` (completions): each choice carries `prompt_token_ids` and `token_ids`
+(the generated ids, echo or not); streamed, a choice's first chunk has the prompt's ids (later
+ones null) and every chunk its new ids, so a token whose text is held back still gets one.
+Unlike vLLM, echo keeps the prompt's text in `text` with the ids asked for.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class _Want:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     logprobs: Optional[int] = None  # top-k per generated token (chat: top_logprobs); None = off
     prompt_logprobs: Optional[int] = None  # vLLM's extension; None = off
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the generated ids
     # Chat: the tools whose calls the output may hold (tool_choice other than "none").
     tools: list = dataclasses.field(default_factory=list)
 
@@ -85,7 +91,8 @@ class _Want:
         if chat:
             tools = body.tool_dicts() if body.effective_tool_choice != "none" else []
             return cls(logprobs=(body.top_logprobs or 0) if body.logprobs else None, tools=tools)
-        return cls(echo=body.echo, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
+        return cls(echo=body.echo, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
+                   token_ids=bool(body.return_token_ids))
 
     @property
     def engine_prompt_logprobs(self) -> Optional[int]:
@@ -109,6 +116,7 @@ class _Job:
     finished: bool = False  # its final output arrived
     aborted: bool = False  # we cancelled it
     started: bool = False  # streaming: its first chunk went out
+    ids_sent: bool = False  # streaming with return_token_ids: its prompt_token_ids went out
 
 
 def _prompt_ids(state: ServerState, prompt, where: str) -> list[int]:
@@ -407,6 +415,8 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
         choice = CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=reason)
         if want.prompt_logprobs is not None:
             choice.prompt_logprobs = vllm_prompt_logprobs(texts, want.prompt_logprobs, prompt_lps)
+        if want.token_ids:
+            choice.prompt_token_ids, choice.token_ids = list(job.request.prompt_token_ids), new_ids
         choices.append(choice)
     usage = Usage.of(prompt_tokens, completion_tokens)
     if chat:
@@ -415,9 +425,12 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
     else:
         payload = CompletionResponse(id=head.request_id, created=created, model=model, usage=usage,
                                      choices=choices).model_dump()
-        if want.prompt_logprobs is None:
-            for choice in payload["choices"]:
-                del choice["prompt_logprobs"]
+        absent = [key for key, asked in (("prompt_logprobs", want.prompt_logprobs is not None),
+                                         ("prompt_token_ids", want.token_ids), ("token_ids", want.token_ids))
+                  if not asked]
+        for choice in payload["choices"]:
+            for key in absent:
+                del choice[key]
     return JSONResponse(payload, headers=routing)
 
 
@@ -507,10 +520,14 @@ async def _completion_events(state, jobs, want: _Want, model, created, include_u
     formatters = {job.index: CompletionLogprobs(texts, want.logprobs) for job in jobs} if want.logprobs is not None else {}
     usage = _UsageTotals()
 
-    def chunk(index: int, text: str, logprobs, finish, prompt_logprobs=None) -> str:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(job: _Job, text: str, logprobs, finish, prompt_logprobs=None, token_ids=()) -> str:
+        choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if want.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs
+        if want.token_ids:  # as vLLM: the prompt's ids in the choice's first chunk only
+            choice["prompt_token_ids"] = None if job.ids_sent else list(job.request.prompt_token_ids)
+            choice["token_ids"] = list(token_ids)
+            job.ids_sent = True
         out = {**base, "choices": [choice]}
         if include_usage:
             out["usage"] = None
@@ -534,10 +551,13 @@ async def _completion_events(state, jobs, want: _Want, model, created, include_u
                     echo_lp = fmt.build(job.request.prompt_token_ids, entries)
                 prompt_lp = (vllm_prompt_logprobs(texts, want.prompt_logprobs, entries)
                              if want.prompt_logprobs is not None else None)
-                yield chunk(job.index, job.prompt_text if want.echo else "", echo_lp, None, prompt_lp)
-        if out.new_text or out.finished or (fmt is not None and out.new_token_ids):
+                yield chunk(job, job.prompt_text if want.echo else "", echo_lp, None, prompt_lp)
+        # A token whose text is held back (a stop string may follow) still gets a chunk when its
+        # logprobs or ids are asked for.
+        if out.new_text or out.finished or ((fmt is not None or want.token_ids) and out.new_token_ids):
             lp = fmt.build(out.new_token_ids, out.new_logprobs or []) if fmt is not None else None
-            yield chunk(job.index, out.new_text, lp, _finish_reason(out.finish_reason) if out.finished else None)
+            yield chunk(job, out.new_text, lp, _finish_reason(out.finish_reason) if out.finished else None,
+                        token_ids=out.new_token_ids)
     if include_usage:
         yield sse_event({**base, "choices": [], "usage": usage.payload()})
     yield DONE_EVENT

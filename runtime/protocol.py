@@ -302,6 +302,9 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     # vLLM's extension: per prompt token, its logprob and this many most likely tokens.
     prompt_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extension: each choice also carries prompt_token_ids and token_ids (the generated
+    # ids; streamed: the prompt's in a choice's first chunk, each chunk's new ids in it).
+    return_token_ids: Optional[StrictBool] = None
     suffix: Optional[StrictStr] = None
 
     @field_validator("prompt")
@@ -583,6 +586,10 @@ class CompletionChoice(BaseModel):
     # vLLM's extension, only present when asked for: one entry per prompt token (the first
     # None), each {token id: {"logprob", "rank", "decoded_token"}}.
     prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None
+    # vLLM's extension (return_token_ids), only present when asked for: the prompt's ids and
+    # the generated ids (echo or not).
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
 
 
 class CompletionResponse(BaseModel):

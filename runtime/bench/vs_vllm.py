@@ -259,7 +259,7 @@ async def drive(url: str, planned: list[PlannedRequest], concurrency: int, reque
         if greedy:
             outputs = []
             for p in greedy:
-                body = {**_body(target, p), "return_token_ids": True}  # vLLM's extension; others ignore it
+                body = {**_body(target, p), "return_token_ids": True}  # vLLM's extension and ours
                 resp = await client.post("/v1/completions", json=body)
                 choice = (resp.json().get("choices") or [{}])[0] if resp.status_code == 200 else {}
                 outputs.append({"index": p.index, "status": resp.status_code, "text": choice.get("text"),
