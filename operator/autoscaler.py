@@ -15,14 +15,21 @@ Rules:
      recorded as a recommendation of the current count, so a scale-down needs a full window
      of good data after a gap.
   3. Each decision makes one recommendation, the largest that any signal asks for:
-     - The load now (a lane's sample carries `waiting`, and `running_share` for the running
-       signal). These react at once, where latencies of ended requests lag by the window:
-       * Running: a lane's running sequences per ready replica, as a share of its
+     - The load now (a lane's sample carries `waiting`, and `replica_running_shares` or
+       `running_share` for the running signal). These react at once, where latencies of
+       ended requests lag by the window:
+       * Running: a lane's running sequences on a replica, as a share of its
          maxActiveSequences, against `running_share_target`. Running sequences grow about
          as the square of the arrival rate near saturation, so a replica's load in target
-         units is sqrt(share / target), and the fleet needs ready x that + `headroom_replicas`
-         (spare capacity for what arrives during a start-up). Above current x (1 + tolerance)
-         -> that many; comfortably below -> it sizes the scale-down.
+         units is sqrt(share / target); below a quarter of the target (half the target's
+         rate) they grow in proportion to it (Little's law at a constant service time), so
+         the load there is the chord 2 x share / target (`replica_load`). Loads in these
+         units add up (they are arrival rates), so the fleet needs the sum of each ready
+         replica's own load + `headroom_replicas` (spare capacity for what arrives during a
+         start-up). With only the replicas' mean share it needs ready x the mean's load,
+         which reads a replica that just joined as loaded as the saturated one it relieves.
+         Above current x (1 + tolerance) -> that many; comfortably below -> it sizes the
+         scale-down.
        * Queue: the requests waiting now / the rate the ready replicas served them (Little's
          law: the wait of a request that arrives now) against the lane's queue delay target.
          Above it, the replicas are saturated, so what each served is its capacity: the
@@ -38,11 +45,13 @@ Rules:
        they are ready, not the capacity that is missing.
      - KV usage above its target -> ceil(ready x usage / target), at least one more than ready.
      - Every lane comfortably inside its targets -> the largest size that the KV usage and the
-       running signal project, never below half the current count per decision.
+       running signal project.
      - Otherwise (between the two) -> the current count (the hysteresis band).
      Only ready replicas produced the measurements, so only they are scaled; replicas still
      starting count towards the answer, so a recommendation they already cover adds nothing
-     (as HPA treats unready pods). One step reaches at most max(2 x current, current + 4).
+     (as HPA treats unready pods). One step reaches at most max(2 x current, current + 4);
+     a scale-down goes no lower than half the current count, a limit applied after
+     stabilization (as HPA's rate policies), so the history keeps what the load asked for.
   4. Stabilization, as HPA's `behavior`: a scale-up goes to the lowest recommendation of the
      scale-up window (0 s: at once), so only a sustained violation scales up; a scale-down
      goes to the highest recommendation of the scale-down window, and only once the history
@@ -67,6 +76,9 @@ MAX_HISTORY = 256  # recommendations kept in status at most
 # The load now (a lane's waiting requests and running share) is averaged over this share of the
 # sample's window, by whoever builds the sample: one scrape alone is noisy, the window lags.
 LOAD_NOW_SHARE = 0.25
+# Below this share of the running share target (half the target's arrival rate), a replica's
+# running sequences grow in proportion to its arrival rate, not as its square (replica_load).
+LINEAR_BELOW = 0.25
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,9 @@ class LaneSample:
     arrival_rate: Optional[float] = None  # requests that arrived per second over the window (admitted or refused)
     served_rate: Optional[float] = None  # admitted requests that ended per second over the window
     running_share: Optional[float] = None  # running / maxActiveSequences at the sample's time, mean of the replicas
+    # The same share for each ready replica on its own (None: only the mean is known). The
+    # running signal then sums the replicas' loads instead of scaling the mean's.
+    replica_running_shares: Optional[tuple[float, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -301,12 +316,12 @@ def _load_now_signals(policy: AutoscalingPolicy, target: LaneScalingTarget, data
     """The running and queue signals of a lane whose sample carries the load now."""
     signals: list[_Signal] = []
     comfortable = True
-    if policy.running_share_target is not None and data.running_share is not None:
-        load = math.sqrt(max(0.0, data.running_share) / policy.running_share_target)
-        needed = ready * load + policy.headroom_replicas
+    measured = _running_load(policy, data, ready)
+    if measured is not None:
+        load, what = measured
+        needed = load + policy.headroom_replicas
         ratio = needed / max(current, 1)
-        signals.append(_Signal(f"lane {target.lane} running share {data.running_share:.0%} on {ready} ready "
-                               f"(target {policy.running_share_target:.0%}, headroom "
+        signals.append(_Signal(f"lane {target.lane} {what} (target {policy.running_share_target:.0%}, headroom "
                                f"{policy.headroom_replicas:g}) needs {needed:.2f} replicas", ratio, RUNNING, needed))
         comfortable = comfortable and ratio <= 1.0
     if target.queue_delay_p95_s is not None:
@@ -329,6 +344,39 @@ def _load_now_signals(policy: AutoscalingPolicy, target: LaneScalingTarget, data
     if target.slo_attainment is not None and data.slo_attainment is not None:
         comfortable = comfortable and data.slo_attainment >= target.slo_attainment
     return signals, comfortable
+
+
+def _running_load(policy: AutoscalingPolicy, data: LaneSample, ready: int) -> Optional[tuple[float, str]]:
+    """The lane's load in replicas at the running share target, and how it was read; None when
+    the running signal is off or not measured."""
+    target = policy.running_share_target
+    if target is None:
+        return None
+    if data.replica_running_shares is not None:
+        shares = [max(0.0, s) for s in data.replica_running_shares]
+        load = sum(replica_load(s, target) for s in shares)
+        listed = ", ".join(f"{s:.0%}" for s in shares[:8]) + (", ..." if len(shares) > 8 else "")
+        return load, f"running shares [{listed}] on {len(shares)} replicas, a load of {load:.2f}"
+    if data.running_share is None:
+        return None
+    load = ready * replica_load(data.running_share, target)
+    return load, f"running share {data.running_share:.0%} on {ready} ready"
+
+
+def replica_load(share: float, target: float) -> float:
+    """One replica's load in replicas at the running share `target`, from its running share.
+
+    Near saturation the share grows about as the square of the arrival rate, so the load is
+    sqrt(share / target). A light load grows it in proportion to the rate instead (a request
+    holds its slot for its decode, however idle the replica): on the simulated H200 the share
+    halves, not quarters, when a light load is spread over twice the replicas (benchmarks.md,
+    section 5). Below LINEAR_BELOW x target the load is therefore the chord from zero to the
+    curve there, which reads the same load whether it runs on one replica or is spread thin."""
+    share = max(0.0, share)
+    knee = LINEAR_BELOW * target
+    if share >= knee:
+        return math.sqrt(share / target)
+    return share / math.sqrt(knee * target)
 
 
 def scale_up_limit(current: int) -> int:
@@ -363,7 +411,7 @@ def _recommend(policy: AutoscalingPolicy, current: int, sample: FleetSample) -> 
                 assert signal.needed is not None
                 # Within the tolerance of the need is enough, as for the scale-down below, so
                 # that the size it reaches does not ask to go back.
-                return policy.clamp(math.ceil(min(signal.needed, policy.max_replicas) - policy.tolerance))
+                return policy.clamp(math.ceil(min(signal.needed, policy.max_replicas) - policy.tolerance - 1e-9))
             if signal.kind == QUEUE:
                 assert signal.needed is not None
                 return policy.clamp(math.ceil(min(signal.needed, policy.max_replicas) - 1e-9))
@@ -395,12 +443,12 @@ def _recommend(policy: AutoscalingPolicy, current: int, sample: FleetSample) -> 
         elif signal.kind == RUNNING:
             assert signal.needed is not None
             # The tolerance also applies downwards: a size within it of the need is enough.
-            projections.append((math.ceil(signal.needed - policy.tolerance), signal.what))
+            projections.append((math.ceil(signal.needed - policy.tolerance - 1e-9), signal.what))
     if not projections:
         return policy.clamp(current), "targets met; no KV usage or running share to size a scale-down by"
     wanted, what = max(projections)
     wanted = min(current, wanted)
-    return policy.clamp(max(wanted, scale_down_limit(current))), f"{what}, latency targets comfortably met"
+    return policy.clamp(wanted), f"{what}, latency targets comfortably met"
 
 
 def _remember(history: Sequence[Recommendation], record: Recommendation, policy: AutoscalingPolicy,
@@ -434,6 +482,8 @@ def _stabilize(policy: AutoscalingPolicy, current: int, recommendation: int, why
         if desired == current:
             return current, (f"holding at {current}: a recommendation of {max(window)} in the last "
                              f"{policy.scale_down_stabilization_s:.0f}s ({why})")
-        return desired, (f"scale down {current} -> {desired}: highest recommendation in the last "
-                         f"{policy.scale_down_stabilization_s:.0f}s ({why})")
+        limited = max(desired, scale_down_limit(current))
+        step = "" if limited == desired else f"; one step is limited to {limited}"
+        return limited, (f"scale down {current} -> {limited}: highest recommendation in the last "
+                         f"{policy.scale_down_stabilization_s:.0f}s is {desired}{step} ({why})")
     return current, f"holding at {current}: {why}"

@@ -127,6 +127,11 @@ def queries(model: str, window_s: float, namespace: Optional[str] = None) -> dic
         "running_growth": f"sum by (lane) (delta({PREFIX}requests_running{{{m}}}[{w}]))",
         "waiting": f"sum by (lane) (avg_over_time({PREFIX}requests_waiting{{{m}}}[{recent}]))",
         "running": f"avg by (lane) (avg_over_time({PREFIX}requests_running{{{m}}}[{recent}]))",
+        # The same, one series per replica (its target labels tell them apart), for the replicas
+        # scraped now: the decision sums each replica's own load, so a replica that just joined
+        # reads as the idle one it is, not as the mean.
+        "running_by_replica": (f"avg_over_time({PREFIX}requests_running{{{m}}}[{recent}]) "
+                               f"and {PREFIX}requests_running{{{m}}}"),
         "max_active": f'avg by (lane) ({PREFIX}lane_budget{{{m},budget="maxActiveSequences"}})',
         # The replicas exporting metrics, averaged over the window: what served the rates above.
         "serving_replicas": f"avg_over_time(count({PREFIX}kv_cache_usage_ratio{{{m}}})[{w}:])",
@@ -163,6 +168,10 @@ def fleet_sample(results: Mapping[str, list[Series]], at: float, window_s: float
             buckets.setdefault(series.labels.get("lane", ""), []).append((le, series.value or 0.0))
     load = {name: _by_lane(results, name) for name in
             ("served", "ended", "waiting_growth", "running_growth", "waiting", "running", "max_active")}
+    per_replica: dict[str, list[float]] = {}  # lane -> each replica's running sequences
+    for series in results.get("running_by_replica", []):
+        if series.value is not None:
+            per_replica.setdefault(series.labels.get("lane", ""), []).append(series.value)
     lanes = {}
     for lane in sorted((set(rates) | set(delays)) - {""}):
         target = targets_s.get(lane)
@@ -174,10 +183,13 @@ def fleet_sample(results: Mapping[str, list[Series]], at: float, window_s: float
             arrivals = max(0.0, load["ended"][lane] + growth / window_s)
         running, max_active = load["running"].get(lane), load["max_active"].get(lane)
         share = running / max_active if running is not None and max_active else None
+        own = per_replica.get(lane)
         lanes[lane] = LaneSample(request_rate=rates.get(lane, 0.0), queue_delay_p95_s=delays.get(lane),
                                  slo_attainment=attainment, waiting=waiting, arrival_rate=arrivals,
                                  served_rate=load["served"].get(lane) if waiting is not None else None,
-                                 running_share=share)
+                                 running_share=share,
+                                 replica_running_shares=(tuple(sorted(v / max_active for v in own))
+                                                         if own and max_active else None))
     kv = results.get("kv_usage", [])
     serving = results.get("serving_replicas", [])
     return FleetSample(at=at, window_s=window_s, lanes=lanes, kv_usage=kv[0].value if kv else None,

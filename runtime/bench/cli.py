@@ -259,6 +259,24 @@ def _fleet_phases(args: argparse.Namespace):
     return dataclasses.replace(experiment, **changes), config
 
 
+def _fleet_scaling(args: argparse.Namespace, experiment, config):
+    """The autoscaler's settings for `bench fleet --autoscale`: fleet_sim.default_scaling_policy,
+    with the knobs and windows that flags override."""
+    from tokenlane.runtime.bench import fleet_sim
+
+    knobs = {name: getattr(args, name) for name in ("running_share_target", "headroom_replicas", "target_utilization")
+             if getattr(args, name) is not None}
+    if knobs.get("running_share_target") == RUNNING_SIGNAL_OFF:
+        knobs["running_share_target"] = None
+    policy = fleet_sim.default_scaling_policy(config, experiment.min_replicas, experiment.max_replicas,
+                                              args.scale_attainment_target, **knobs)
+    down = experiment.scale_down_stabilization_s if args.scale_down_stabilization is None \
+        else args.scale_down_stabilization
+    return fleet_sim.AutoscaleSettings(
+        policy=dataclasses.replace(policy, scale_down_stabilization_s=down), interval_s=args.scale_interval,
+        window_s=args.scale_window, startup_delay_s=args.startup_delay, settle_s=args.settle)
+
+
 def cmd_fleet(args: argparse.Namespace) -> int:
     from tokenlane.runtime import fleet_pick
     from tokenlane.runtime.bench import fleet_sim
@@ -280,16 +298,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         if len(experiment.policies) != 1:
             raise ValueError("--autoscale runs one pick policy: give --policy router or --policy round-robin")
         policy = experiment.policies[0]
-        scaling = fleet_sim.AutoscaleSettings(
-            policy=dataclasses.replace(
-                fleet_sim.default_scaling_policy(config, experiment.min_replicas, experiment.max_replicas,
-                                                 args.scale_attainment_target),
-                scale_down_stabilization_s=(experiment.scale_down_stabilization_s
-                                            if args.scale_down_stabilization is None
-                                            else args.scale_down_stabilization)),
-            interval_s=args.scale_interval, window_s=args.scale_window, startup_delay_s=args.startup_delay,
-            settle_s=args.settle)
-        run("autoscale", policy, experiment.replicas, scaling)
+        run("autoscale", policy, experiment.replicas, _fleet_scaling(args, experiment, config))
         for size in experiment.fixed_sizes:
             run(f"fixed-{size}", policy, size)
     else:
@@ -400,6 +409,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+RUNNING_SIGNAL_OFF = "off"
+
+
+def _share_or_off(text: str) -> "float | str":
+    """--running-share-target: a share, or `off` (the running signal off)."""
+    if text.strip().lower() == RUNNING_SIGNAL_OFF:
+        return RUNNING_SIGNAL_OFF
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a share in (0, 1] or {RUNNING_SIGNAL_OFF!r}, got {text!r}") from None
+
+
 def fleet_pick_default_slack() -> float:
     from tokenlane.runtime.fleet_pick import PickPolicy
 
@@ -469,6 +492,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SLO attainment a run needs to count as reaching the target (the comparison)")
     f.add_argument("--scale-attainment-target", type=float, default=0.97,
                    help="per-lane SLO attainment target given to the autoscaler")
+    # Defaults: fleet_sim.default_scaling_policy (SIM_* there), calibrated for the simulated H200;
+    # the numbers are not imported here so that every `bench` command does not load the simulator.
+    f.add_argument("--running-share-target", type=_share_or_off, default=None, metavar="SHARE|off",
+                   help="the autoscaler's runningShareTarget: a lane's running share at which a replica is "
+                        "fully loaded (default 0.4; off: no running signal)")
+    f.add_argument("--headroom-replicas", type=float, default=None,
+                   help="the autoscaler's headroomReplicas: spare capacity, in replicas, for what arrives "
+                        "during a start-up (default 0.4)")
+    f.add_argument("--target-utilization", type=float, default=None,
+                   help="the autoscaler's targetUtilization: how full a scale-up sized by the queue leaves "
+                        "the replicas (default 0.8)")
     f.add_argument("--records", action="store_true", help="include every request record in the JSON")
     common(f)
     _traffic_args(f)

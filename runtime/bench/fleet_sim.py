@@ -21,13 +21,13 @@ its GPU.
   engine's own prefix cache, and the hit rate counts the prompt tokens found there.
 - **Autoscaling.** Every `interval_s`, a `FleetSample` is built as the operator builds it
   from Prometheus (operator/scaling.py): the requests that arrived and ended in the last
-  `window_s`, each lane's waiting requests and running share averaged over the scrapes of
-  the window's last quarter, the ready replicas' KV usage, how many replicas are ready (the
-  rest are starting; the decision does not add their capacity again) and how many served the
-  window on average. Then `operator/autoscaler.py:decide()` is called. A new replica becomes
-  routable `startup_delay_s` after it was added. A removed replica drains: it takes no new
-  request and finishes the ones it holds. Replicas cost from the moment they are added until
-  they have drained.
+  `window_s`, each lane's waiting requests and each ready replica's running share averaged
+  over the scrapes of the window's last quarter, the ready replicas' KV usage, how many
+  replicas are ready (the rest are starting; the decision does not add their capacity
+  again) and how many served the window on average. Then `operator/autoscaler.py:decide()`
+  is called. A new replica becomes routable `startup_delay_s` after it was added. A
+  removed replica drains: it takes no new request and finishes the ones it holds. Replicas
+  cost from the moment they are added until they have drained.
 
 See docs/fleet.md ("Fleet mode in the simulator") and docs/benchmarks.md ("Fleet").
 """
@@ -147,13 +147,15 @@ class AutoscaleSettings:
 SIM_RUNNING_SHARE_TARGET = 0.4
 SIM_HEADROOM_REPLICAS = 0.4
 SIM_SCALE_UP_STABILIZATION_S = 30.0
+SIM_TARGET_UTILIZATION = AutoscalingPolicy.target_utilization  # the CRD's default
 
 
 def default_scaling_policy(config: RuntimeConfig, min_replicas: int, max_replicas: int,
                            slo_attainment: float = 0.97,
                            running_share_target: Optional[float] = SIM_RUNNING_SHARE_TARGET,
                            headroom_replicas: float = SIM_HEADROOM_REPLICAS,
-                           scale_up_stabilization_s: float = SIM_SCALE_UP_STABILIZATION_S) -> AutoscalingPolicy:
+                           scale_up_stabilization_s: float = SIM_SCALE_UP_STABILIZATION_S,
+                           target_utilization: float = SIM_TARGET_UTILIZATION) -> AutoscalingPolicy:
     """Targets from the config: each lane with a TTFT SLO gets a queue delay p95 target of
     half its TTFT target and an SLO attainment target; the running signal and the scale-up
     window as measured for the simulated H200 (the SIM_* constants above)."""
@@ -163,7 +165,8 @@ def default_scaling_policy(config: RuntimeConfig, min_replicas: int, max_replica
     )
     return AutoscalingPolicy(min_replicas=min_replicas, max_replicas=max_replicas, lanes=targets,
                              running_share_target=running_share_target, headroom_replicas=headroom_replicas,
-                             scale_up_stabilization_s=scale_up_stabilization_s)
+                             scale_up_stabilization_s=scale_up_stabilization_s,
+                             target_utilization=target_utilization)
 
 
 class SimReplica:
@@ -327,9 +330,9 @@ def simulate_fleet(
     records: list[RequestRecord] = []
     finished_at: list[tuple[float, RequestRecord]] = []  # for the autoscaler's window
     arrived_at: list[tuple[float, str]] = []  # (time, lane) of every request, admitted or refused
-    # (time, {lane: (waiting on all replicas, running share averaged over the ready ones)}) at
-    # every scrape: the load now, which the autoscaler averages as the operator's PromQL does
-    load_log: deque[tuple[float, dict[str, tuple[int, Optional[float]]]]] = deque()
+    # (time, {lane: (waiting on all replicas, {ready replica: its running share})}) at every
+    # scrape: the load now, which the autoscaler averages as the operator's PromQL does
+    load_log: deque[tuple[float, dict[str, tuple[int, dict[str, float]]]]] = deque()
     bins = TokenBins()
     decisions: list[dict[str, Any]] = []
     history: tuple[Recommendation, ...] = ()
@@ -442,21 +445,23 @@ def simulate_fleet(
                 changed = True
         return changed
 
-    def load_now() -> dict[str, tuple[int, Optional[float]]]:
+    def load_now() -> dict[str, tuple[int, dict[str, float]]]:
         snapshots = [(r, r.engine.snapshot()) for r in fleet if r.state in (READY, DRAINING)]
         load = {}
         for lane in lane_names:
             waiting = sum(snap.lanes[lane].waiting for _, snap in snapshots if lane in snap.lanes)
             max_active = config.lane_budgets(lane).max_active_sequences
-            shares = [snap.lanes[lane].running / max_active for r, snap in snapshots
-                      if r.state == READY and lane in snap.lanes and max_active]
-            load[lane] = (waiting, sum(shares) / len(shares) if shares else None)
+            shares = {r.name: snap.lanes[lane].running / max_active for r, snap in snapshots
+                      if r.state == READY and lane in snap.lanes and max_active}
+            load[lane] = (waiting, shares)
         return load
 
     def sample(now: float) -> FleetSample:
         """What the operator reads from Prometheus (operator/scaling.py): over the window, the
         requests that ended and arrived; at `now`, each lane's waiting requests (all replicas)
-        and running share (mean of the ready replicas)."""
+        and running share (each replica ready now: its own average over the scrapes in which
+        it was ready, as Prometheus averages a pod's series over the time it was scraped; and
+        the mean of those)."""
         window = autoscale.window_s
         lanes: dict[str, list[RequestRecord]] = {}
         for t, rec in finished_at:
@@ -472,7 +477,11 @@ def simulate_fleet(
         for lane in sorted(set(lanes) | set(arrivals)):
             recs = lanes.get(lane, [])
             waiting = sum(load[lane][0] for load in recent if lane in load) / len(recent)
-            shares = [load[lane][1] for load in recent if lane in load and load[lane][1] is not None]
+            own: dict[str, list[float]] = {}
+            for load in recent:
+                for replica, share in (load[lane][1] if lane in load else {}).items():
+                    own.setdefault(replica, []).append(share)
+            shares = tuple(sum(own[r.name]) / len(own[r.name]) for r in ready if r.name in own)
             delays = [r.queue_delay_s for r in recs if r.queue_delay_s is not None]
             # A request refused or timed out in the queue waited at least until it ended.
             delays += [r.e2e_s or 0.0 for r in recs if r.queue_delay_s is None]
@@ -487,6 +496,7 @@ def simulate_fleet(
                 arrival_rate=arrivals.get(lane, 0) / window,
                 served_rate=sum(1 for r in recs if r.outcome != REJECTED) / window,
                 running_share=sum(shares) / len(shares) if shares else None,
+                replica_running_shares=shares or None,
             )
         kv = sum(r.engine.scheduler.kv.usage for r in ready) / len(ready) if ready else None
         settled = sum(1 for r in ready if r.ready_at <= now - autoscale.settle_s)

@@ -216,3 +216,32 @@ def test_fleet_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert (tmp_path / "fleet.json").exists()
     assert main(["fleet", "--config", str(cfg), "--autoscale", "--policy", "both", "--duration", "1",
                  "--out", str(tmp_path)]) == 2
+
+
+def test_fleet_command_passes_the_autoscaler_knobs(tmp_path):
+    from tokenlane.runtime.bench import cli, fleet_sim
+
+    cfg = tmp_path / "runtime.yaml"
+    import yaml
+
+    cfg.write_text(yaml.safe_dump(small_config().to_dict()))
+    base = ["fleet", "--config", str(cfg), "--autoscale", "--policy", "router", "--duration", "1"]
+
+    def scaling(*flags: str):
+        args = cli.build_parser().parse_args(base + list(flags))
+        experiment, config = cli._fleet_phases(args)
+        return cli._fleet_scaling(args, experiment, config).policy
+
+    defaults = scaling()
+    assert (defaults.running_share_target, defaults.headroom_replicas, defaults.target_utilization) == (
+        fleet_sim.SIM_RUNNING_SHARE_TARGET, fleet_sim.SIM_HEADROOM_REPLICAS, fleet_sim.SIM_TARGET_UTILIZATION)
+    help_text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["fleet"].format_help().split())
+    for value in (fleet_sim.SIM_RUNNING_SHARE_TARGET, fleet_sim.SIM_HEADROOM_REPLICAS,
+                  fleet_sim.SIM_TARGET_UTILIZATION):
+        assert f"(default {value:g}" in help_text  # the help's numbers are the simulator's
+    knobs = scaling("--running-share-target", "0.3", "--headroom-replicas", "1.5", "--target-utilization", "0.6")
+    assert (knobs.running_share_target, knobs.headroom_replicas, knobs.target_utilization) == (0.3, 1.5, 0.6)
+    assert scaling("--running-share-target", "off").running_share_target is None
+    with pytest.raises(ValueError, match="runningShareTarget"):
+        scaling("--running-share-target", "1.5")
+    assert main(base + ["--target-utilization", "0", "--out", str(tmp_path)]) == 2  # refused, with the field named

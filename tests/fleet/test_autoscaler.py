@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tokenlane.operator.autoscaler import (
     DOWN,
     HOLD,
+    LINEAR_BELOW,
     UP,
     AutoscalingPolicy,
     FleetSample,
@@ -20,6 +21,7 @@ from tokenlane.operator.autoscaler import (
     LaneScalingTarget,
     Recommendation,
     decide,
+    replica_load,
     scale_down_limit,
     scale_up_limit,
 )
@@ -286,9 +288,9 @@ def now_sample(share=0.1, waiting=0.0, arrivals=10.0, served=10.0, attainment=0.
      "holding"),
     ("low SLO attainment blocks a scale-down", 4, now_sample(share=0.01, attainment=0.9), covered(1, NOW_POLICY), 4,
      HOLD, "tolerance band"),
-    # 3 x sqrt(0.02 / 0.4) + 0.5 = 1.17 -> ceil(1.17 - tolerance) = 2
+    # 3 x (2 x 0.02 / 0.4) + 0.5 = 0.8 -> 1, one step goes no lower than 2
     ("quiet for the whole window: down to the running projection", 3, now_sample(share=0.02),
-     covered(1, NOW_POLICY), 2, DOWN, "scale down"),
+     covered(1, NOW_POLICY), 2, DOWN, "limited to 2"),
 ])
 def test_load_now_decisions(name, current, the_sample, history, desired, action, says):
     decision = decide(NOW_POLICY, current, the_sample, history, NOW)
@@ -317,7 +319,9 @@ now_policies = st.builds(
 now_lane_samples = st.builds(LaneSample, request_rate=st.floats(0, 50), slo_attainment=st.floats(0, 1),
                              waiting=st.floats(0, 1000), arrival_rate=st.one_of(st.none(), st.floats(0, 100)),
                              served_rate=st.one_of(st.none(), st.floats(0, 100)),
-                             running_share=st.one_of(st.none(), st.floats(0, 1)))
+                             running_share=st.one_of(st.none(), st.floats(0, 1)),
+                             replica_running_shares=st.one_of(st.none(), st.lists(st.floats(0, 1), max_size=40)
+                                                              .map(tuple)))
 
 
 @settings(max_examples=150, deadline=None)
@@ -354,20 +358,85 @@ def test_load_now_monotone_in_load(policy, current, history, a, b, served):
     assert desired(low) <= desired(high)
 
 
+@settings(max_examples=100, deadline=None)
+@given(policy=now_policies, current=st.integers(1, 30), history=histories,
+       pairs=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=12))
+def test_each_replicas_share_is_monotone(policy, current, history, pairs):
+    """More running share on any replica never gives fewer replicas."""
+    low = tuple(min(a, b) for a, b in pairs)
+    high = tuple(max(a, b) for a, b in pairs)
+    assert (decide(policy, current, replica_sample(low), history, NOW).desired
+            <= decide(policy, current, replica_sample(high), history, NOW).desired)
+
+
+def share_at(load: float, target: float) -> float:
+    """The running share at which one replica reads `load` (the inverse of replica_load)."""
+    knee = LINEAR_BELOW * target
+    if load >= math.sqrt(knee / target):
+        return target * load ** 2
+    return load * math.sqrt(knee * target)
+
+
+@pytest.mark.parametrize("share, load", [(0.4, 1.0), (0.1, 0.5), (0.05, 0.25), (0.0, 0.0), (0.9, 1.5)])
+def test_replica_load_is_linear_below_a_quarter_of_the_target(share, load):
+    """At a target of 0.4: the square law from 0.1 up, the chord below it (continuous at 0.1)."""
+    assert replica_load(share, 0.4) == pytest.approx(load)
+    assert share_at(load, 0.4) == pytest.approx(share)
+
+
+@pytest.mark.parametrize("name, shares, desired, action", [
+    # 1.50 + 0 + 0.5 = 2.0 summed; as the mean (45%), 2 x sqrt(0.45 / 0.4) + 0.5 = 2.62
+    ("a replica that just joined next to a saturated one: summed, no third", (0.9, 0.0), 2, HOLD),
+    ("the same fleet read from the mean share only: a third", None, 3, UP),
+    # a light load spread over two reads what it reads on one: 2 x 0.3 + 0.5 = 1.1
+    ("a light load on two replicas: back to one", (0.06, 0.06), 1, DOWN),
+])
+def test_running_signal_sums_each_replicas_load(name, shares, desired, action):
+    the_sample = now_sample(share=0.45)
+    if shares is not None:
+        the_sample = dataclasses.replace(the_sample, lanes={"interactive": dataclasses.replace(
+            the_sample.lanes["interactive"], replica_running_shares=shares, running_share=sum(shares) / 2)})
+    history = covered(1, NOW_POLICY) if action == DOWN else ()
+    decision = decide(NOW_POLICY, 2, the_sample, history, NOW)
+    assert (decision.desired, decision.action) == (desired, action), decision.reason
+
+
+def test_a_scale_down_limited_to_half_takes_the_rest_at_the_next_decision():
+    """The step limit applies after stabilization: the history keeps the projection of one, so
+    the next decision does not wait another window for a second step."""
+    quiet = now_sample(share=0.01)
+    first = decide(NOW_POLICY, 4, quiet, covered(1, NOW_POLICY), NOW)
+    assert (first.desired, first.recommendation) == (2, 1) and "limited to 2" in first.reason, first.reason
+    second = decide(NOW_POLICY, 2, dataclasses.replace(quiet, at=NOW + 15), first.history, NOW + 15)
+    assert (second.desired, second.action) == (1, DOWN), second.reason
+
+
 @settings(max_examples=150, deadline=None)
-@given(policy=now_policies, current=st.integers(1, 30), share=st.floats(0, 1))
-def test_running_signal_never_reverses_itself(policy, current, share):
-    """Scaled to what the running signal asked for, the same load (the share the square-law
-    model projects for the new size) never asks to go back: the signal's own hysteresis."""
+@given(policy=now_policies, current=st.integers(1, 30), share=st.floats(0, 1),
+       spread=st.lists(st.floats(0, 1), min_size=1, max_size=12))
+def test_running_signal_never_reverses_itself(policy, current, share, spread):
+    """Scaled to what the running signal asked for, the same load (spread evenly over the new
+    size, at the share the load model projects there) never asks to go back: the signal's own
+    hysteresis. Read from the mean share, and from each replica's own (uneven) share."""
     policy = dataclasses.replace(policy, scale_down_stabilization_s=0.0)
     current = policy.clamp(current)
-    first = decide(policy, current, now_sample(share=share), (), NOW)
-    moved = first.desired
-    projected = share * (current / moved) ** 2
-    if projected > 1.0:
-        return  # past saturation the share is capped: the model no longer holds
-    second = decide(policy, moved, now_sample(share=projected, at=NOW + 15), first.history, NOW + 15)
-    if first.action == UP:
-        assert second.action != DOWN, (first.reason, second.reason)
-    if first.action == DOWN:
-        assert second.action != UP, (first.reason, second.reason)
+    target = policy.running_share_target
+    own = tuple(spread[i % len(spread)] for i in range(current))
+    for first_sample, load in ((now_sample(share=share), current * replica_load(share, target)),
+                               (replica_sample(own), sum(replica_load(s, target) for s in own))):
+        first = decide(policy, current, first_sample, (), NOW)
+        moved = first.desired
+        projected = share_at(load / moved, target)
+        if projected > 1.0:
+            continue  # past saturation the share is capped: the model no longer holds
+        second = decide(policy, moved, replica_sample((projected,) * moved, at=NOW + 15), first.history, NOW + 15)
+        if first.action == UP:
+            assert second.action != DOWN, (first.reason, second.reason)
+        if first.action == DOWN:
+            assert second.action != UP, (first.reason, second.reason)
+
+
+def replica_sample(shares: tuple[float, ...], at: float = NOW) -> FleetSample:
+    the_sample = now_sample(share=sum(shares) / len(shares), at=at)
+    return dataclasses.replace(the_sample, lanes={"interactive": dataclasses.replace(
+        the_sample.lanes["interactive"], replica_running_shares=shares)})

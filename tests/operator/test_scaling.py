@@ -120,7 +120,7 @@ def test_ttft_targets_come_from_the_lanes_slo():
 def test_queries_select_the_model_in_its_namespace_only():
     promql = scaling.queries("tiny", 120, "team-a")
     assert all('model="tiny"' in q and 'namespace="team-a"' in q for q in promql.values())
-    load_now = {"waiting", "running"}  # averaged over the last quarter of the window only
+    load_now = {"waiting", "running", "running_by_replica"}  # averaged over the last quarter of the window only
     assert all("[120s" in q for name, q in promql.items() if name not in load_now | {"max_active"})
     assert all("[30s]" in promql[name] for name in load_now)
     with pytest.raises(ValueError, match="quotes"):
@@ -164,11 +164,38 @@ def test_fleet_sample_carries_the_load_now():
     assert (interactive.waiting, interactive.served_rate, interactive.running_share) == (130.0, 9.0, 0.5)
     assert interactive.arrival_rate == pytest.approx(9.5 + 3.0)
     assert (batch.waiting, batch.arrival_rate, batch.running_share) == (None, None, None)  # no series
+    assert interactive.replica_running_shares is None and batch.replica_running_shares is None
     # 130 waiting at 9 served/s is ~14 s of queue: saturated, sized by arrivals / served.
     policy = autoscaler.AutoscalingPolicy(1, 10, (autoscaler.LaneScalingTarget("interactive", 0.5),))
     decision = autoscaler.decide(policy, 2, dataclasses.replace(sample, ready_replicas=2), (), 100.0)
     assert decision.desired == math.ceil(1.5 * 12.5 / (9.0 * policy.target_utilization))
     assert "waiting" in decision.reason
+
+
+def test_fleet_sample_carries_each_replicas_running_share():
+    """A replica that just joined reads as idle next to the saturated one it relieves: summed
+    per replica the load is 1.53 + 0.22 replicas, where the mean (48% on 2) reads 2 x 1.10."""
+    results = {
+        "requests": [Series({"lane": "interactive"}, 10.0)],
+        "served": [Series({"lane": "interactive"}, 10.0)],
+        "ended": [Series({"lane": "interactive"}, 10.0)],
+        "waiting": [Series({"lane": "interactive"}, 0.0)],
+        "running": [Series({"lane": "interactive"}, 48.0)],
+        "running_by_replica": [Series({"lane": "interactive", "instance": "10.0.0.7:8000"}, 94.0),
+                               Series({"lane": "interactive", "instance": "10.0.0.9:8000"}, 2.0),
+                               Series({"lane": "interactive", "instance": "10.0.0.8:8000"}, None)],
+        "max_active": [Series({"lane": "interactive"}, 100.0)],
+    }
+    sample = dataclasses.replace(scaling.fleet_sample(results, at=100.0, window_s=60.0, targets_s={}),
+                                 ready_replicas=2)
+    assert sample.lanes["interactive"].replica_running_shares == (0.02, 0.94)  # a series without a value left out
+    policy = autoscaler.AutoscalingPolicy(1, 10, (autoscaler.LaneScalingTarget("interactive", 0.5),),
+                                          running_share_target=0.4, headroom_replicas=0.4)
+    decision = autoscaler.decide(policy, 2, sample, (), 100.0)
+    assert (decision.desired, decision.action) == (2, autoscaler.HOLD), decision.reason
+    mean_only = dataclasses.replace(sample, lanes={"interactive": dataclasses.replace(
+        sample.lanes["interactive"], replica_running_shares=None)})
+    assert autoscaler.decide(policy, 2, mean_only, (), 100.0).desired == 3  # 2 x sqrt(0.48 / 0.4) + 0.4 = 2.59
 
 
 def test_a_target_between_bucket_bounds_is_judged_by_the_lower_bound():
