@@ -1,19 +1,23 @@
 /* Paged decode attention for the CPU, in C (built and loaded by kernels/cpu_native.py).
  *
- * One decode = one query token per sequence that attends to its whole context. A work item is
- * (decode, KV head): its G = Hq / Hkv query heads read each cached K and V row once, straight
- * from the paged cache through the block table (no gather into a buffer, no padding, no mask).
- * Per item, three passes over the context:
- *   1. scores s[g][t] = scale * q[g] . K[t], and their max per query head;
- *   2. p[g][t] = exp(s[g][t] - max[g]) and their sum (a vectorizable exp, below);
- *   3. out[g] = sum_t p[g][t] V[t] / sum.
+ * One decode = one query token per sequence that attends to its whole context, straight from
+ * the paged cache through the block table (no gather into a buffer, no padding, no mask). A
+ * work item is one decode's KV heads (all of them, or one when there are few decodes for the
+ * threads); each KV head's G = Hq / Hkv query heads read its cached K and V rows once. Per
+ * item, three passes over the context:
+ *   1. scores s[h][t] = scale * q[h] . K[t], and their max per query head;
+ *   2. p[h][t] = exp(s[h][t] - max[h]) and their sum (a vectorizable exp, below);
+ *   3. out[h] = sum_t p[h][t] V[t] / sum.
  * The cache may be float32, bfloat16 or float16; rows are widened to float32 as they are read,
  * and every sum is in float32. Items are handed out to `num_threads` threads (the caller's
- * and num_threads - 1 pthreads) through one atomic counter, longest contexts first is the
- * caller's choice of order.
+ * and num_threads - 1 pthreads) through one atomic counter, in the caller's order (longest
+ * contexts first balances the threads).
  *
- * Built with -O3 -march=native -fopenmp-simd: `#pragma omp simd` lets the float reductions
- * vectorize without -ffast-math for the whole file (no OpenMP runtime is linked).
+ * Built with -O3 -march=native -fopenmp-simd: `#pragma omp simd` lets the float reductions of
+ * the generic path vectorize without -ffast-math (no OpenMP runtime is linked); the vector path
+ * uses GCC vector extensions.
+ *
+ * Also here: `tl_argmax_rows`, greedy sampling's argmax.
  */
 #include <float.h>
 #include <math.h>
