@@ -4,6 +4,8 @@
 # images tier (-m images: builds both images with buildah, 10-20 min; see docs/operations.md)
 # are opt-in:
 #   scripts/test.sh -m slow      scripts/test.sh -m e2e      scripts/test.sh -m images
+# -m slow also runs every Hypothesis property with its thorough example count
+# (tests/property_examples.py; TOKENLANE_THOROUGH_PROPERTIES=1 does that in any run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --system

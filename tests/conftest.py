@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
+# --import-mode=importlib does not put test folders on sys.path; property_examples (a unique
+# name) is shared by the property tests of every area.
+sys.path.insert(0, str(Path(__file__).parent))
+
+import property_examples  # noqa: E402
+
 
 def pytest_configure(config):
+    if property_examples.selects_slow(config.option.markexpr):
+        property_examples.thorough = True
     # Two cores: keep torch from oversubscribing when tests run next to servers.
     try:
         import torch
@@ -15,6 +25,15 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ.get("TOKENLANE_TEST_TORCH_THREADS", "2")))
     except ImportError:
         pass
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    """In the slow run every Hypothesis property is selected too, to run its thorough count."""
+    if property_examples.selects_slow(config.option.markexpr):
+        for item in items:
+            if hasattr(getattr(item, "obj", None), "hypothesis"):
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -271,17 +271,17 @@ def test_zero_writes_while_the_tuner_holds(samples: Cluster, operator: Run, kube
     so it holds), a tuning run writes nothing: no per-run timestamp in status, the hold's Event
     once, and no Deployment patch or "Reconciled" Event (counted among the writes about tiny),
     also with a tuner override in force (as after the tuner acted)."""
+    override = {"lanes": {"batch": {"maxBatchedTokens": 384}},
+                "learnedFrom": {"lanes": {"batch": {"maxBatchedTokens": 512}}}}
+    # The override first: a status change triggers no reconcile, the spec change after it does,
+    # and that reconcile renders the override (rather than the periodic one, a minute later).
+    samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--subresource=status", "--type=merge", "-p",
+                    json.dumps({"status": {"overrides": override}}))
     samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--type=merge", "-p",
                     json.dumps({"spec": {"tuning": {"enabled": True, "interval": "10s",
                                                     "prometheusUrl": "http://127.0.0.1:9"},
                                          "rollout": {"verificationWindow": "10s"}}}))
-    override = {"lanes": {"batch": {"maxBatchedTokens": 384}},
-                "learnedFrom": {"lanes": {"batch": {"maxBatchedTokens": 512}}}}
-    samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--subresource=status", "--type=merge", "-p",
-                    json.dumps({"status": {"overrides": override}}))
     try:
-        # The override reaches the ConfigMap with the operator's next periodic reconcile (a
-        # status change triggers none): up to a timer interval, more on a busy machine.
         wait_for(lambda: [l.get("maxBatchedTokens") for l in yaml.safe_load(
             samples.get("configmap", "tiny-config", WORKLOAD_NS)["data"]["runtime.yaml"])["lanes"]
             if l["name"] == "batch"] == [384], timeout=300, what="the tuner's override in the ConfigMap")

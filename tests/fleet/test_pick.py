@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 
 from tokenlane.runtime.fleet_pick import (
     AFFINITY,
@@ -111,7 +112,7 @@ views = st.lists(
 keys = st.binary(max_size=64)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(100, thorough_run=400), deadline=None)
 @given(replicas=views, lane=st.sampled_from(["interactive", "batch", None]), key=keys,
        exclude=st.frozensets(st.sampled_from(URLS)), slack=st.floats(0, 10))
 def test_never_picks_a_down_tried_or_saturated_replica(replicas, lane, key, exclude, slack):
@@ -127,13 +128,13 @@ def test_never_picks_a_down_tried_or_saturated_replica(replicas, lane, key, excl
             assert not any(r.healthy and r.url not in exclude for r in replicas)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(50, thorough_run=200), deadline=None)
 @given(replicas=views, key=keys)
 def test_same_inputs_same_pick_whatever_the_order(replicas, key):
     assert pick(replicas, "interactive", key) == pick(list(reversed(replicas)), "interactive", key)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(20, thorough_run=50), deadline=None)
 @given(n=st.integers(2, 8), leaving=st.integers(0, 7), salt=st.binary(max_size=8))
 def test_about_one_nth_of_keys_move_when_a_replica_leaves(n, leaving, salt):
     urls = URLS[:n]

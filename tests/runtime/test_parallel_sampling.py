@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 
 from tokenlane.runtime.admission import AdmissionError
 from tokenlane.runtime.engine import LLMEngine
@@ -185,7 +186,7 @@ def group_scenarios(draw):
     return block_size, num_blocks, caching, max_active, modes, arrivals
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(50, thorough_run=150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(group_scenarios())
 def test_group_properties(scenario):
     """Any policy, continuous or static batching: no leaked block, exact ref counts every

@@ -24,6 +24,7 @@ from typing import Optional
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 
 from tokenlane.operator import rollout, tuning
 from tokenlane.operator.rollout import PodReadiness, RolloutPolicy, RolloutState, baseline_from, evaluate
@@ -192,7 +193,7 @@ def run(steps, world: Optional[World] = None) -> World:
     return world
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100, thorough_run=300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(actions, st.booleans())
 def test_the_baseline_is_the_verified_window_and_a_doubling_is_rolled_back(steps, last_doubles):
     world = run(steps)

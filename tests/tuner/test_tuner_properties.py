@@ -6,6 +6,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 from tuner_helpers import SETTINGS, Plant, budgets, lanes
 
 from tokenlane.operator.tuner import decide
@@ -62,7 +63,7 @@ def budgets_in_bounds(draw) -> EffectiveBudgets:
     return EffectiveBudgets(out, {"kvCacheHighWatermark": round(wm, 2)})
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100, thorough_run=300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(budgets_in_bounds(), samples, samples, st.floats(0, 1000))
 def test_bounds_respected_and_one_step_per_knob(start, first, second, gap):
     """Whatever the metrics: every value stays in its bounds, each knob moves at most once per
