@@ -52,25 +52,46 @@ typedef struct {
     int failed;               /* set (atomic) when a thread could not allocate its scratch */
 } tl_job;
 
-/* exp(x) for x <= 0 (scores minus their max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
- * degree-7 polynomial for exp(r), 2^n built in the exponent bits. About 1 ulp; plain arithmetic,
- * so the loops that call it vectorize. */
-static inline float tl_exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* keeps 2^n a normal float; exp(-87) ~ 1.6e-38 */
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+/* 8-lane vectors (GCC vector extensions: AVX on x86, NEON pairs on Arm). */
+typedef float tl_v8 __attribute__((vector_size(32)));
+typedef int32_t tl_i8 __attribute__((vector_size(32)));
+
+static inline tl_v8 tl_splat(float x) { return (tl_v8){x, x, x, x, x, x, x, x}; }
+
+/* Lane-wise mask ? a : b (C has no vector ?: operator); compiles to one blend. */
+static inline tl_v8 tl_select(tl_i8 mask, tl_v8 a, tl_v8 b) {
+    return (tl_v8)(((tl_i8)a & mask) | ((tl_i8)b & ~mask));
+}
+
+static inline tl_v8 tl_max8(tl_v8 a, tl_v8 b) { return tl_select(a > b, a, b); }
+
+/* exp(x) for x <= 0 (scores minus their max) on 8 lanes, Cephes' expf: x = n ln2 + r,
+ * |r| <= ln2 / 2, a degree-7 polynomial for exp(r), 2^n built in the exponent bits. About
+ * 1 ulp; plain vector arithmetic. */
+static inline tl_v8 tl_exp8(tl_v8 x) {
+    const tl_v8 lo = tl_splat(-87.0f);
+    x = tl_max8(x, lo);
+    tl_v8 y = x * 1.44269504088896341f + 0.5f;
+    tl_i8 ni = __builtin_convertvector(y, tl_i8); /* truncates toward zero... */
+    tl_v8 n = __builtin_convertvector(ni, tl_v8);
+    ni += (tl_i8)(n > y);                         /* ...so step down where that rounded up */
+    n = __builtin_convertvector(ni, tl_v8);
+    tl_v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    tl_v8 p = tl_splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
+    tl_i8 bits = (ni + 127) << 23;
+    tl_v8 two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
 }
+
+/* The same for one value (the tails of the vector loops and the generic path). */
+static inline float tl_exp_nonpositive(float x) { return tl_exp8(tl_splat(x))[0]; }
 
 /* Row `offset` (elements) of a cache as float32: the row itself for a float32 cache, else
  * widened into `buf` [d]. */
@@ -172,10 +193,8 @@ static void tl_attend_any(const tl_job *j, int decode, int head, float *scores, 
     tl_store(j, decode, head, acc, max);
 }
 
-/* The same for a head size D known at compile time (a multiple of 8): the row loops unroll
- * into 8-float vectors (GCC vector extensions: AVX on x86, NEON pairs on Arm), K and V rows are
- * widened in registers, and each dot product ends in one horizontal sum. */
-typedef float tl_v8 __attribute__((vector_size(32)));
+/* The vector path (below): 8 elements of a cache row at `offset`, widened to float32 in
+ * registers. */
 typedef uint16_t tl_u16x8 __attribute__((vector_size(16)));
 typedef uint32_t tl_u32x8 __attribute__((vector_size(32)));
 
@@ -199,40 +218,6 @@ static inline tl_v8 tl_load8(const void *cache, int dtype, int64_t offset) {
 #endif
     }
     return x;
-}
-
-typedef int32_t tl_i8 __attribute__((vector_size(32)));
-
-static inline tl_v8 tl_splat(float x) { return (tl_v8){x, x, x, x, x, x, x, x}; }
-
-/* Lane-wise mask ? a : b (C has no vector ?: operator); compiles to one blend. */
-static inline tl_v8 tl_select(tl_i8 mask, tl_v8 a, tl_v8 b) {
-    return (tl_v8)(((tl_i8)a & mask) | ((tl_i8)b & ~mask));
-}
-
-static inline tl_v8 tl_max8(tl_v8 a, tl_v8 b) { return tl_select(a > b, a, b); }
-
-/* tl_exp_nonpositive on 8 lanes. */
-static inline tl_v8 tl_exp8(tl_v8 x) {
-    const tl_v8 lo = tl_splat(-87.0f);
-    x = tl_max8(x, lo);
-    tl_v8 y = x * 1.44269504088896341f + 0.5f;
-    tl_i8 ni = __builtin_convertvector(y, tl_i8); /* truncates toward zero... */
-    tl_v8 n = __builtin_convertvector(ni, tl_v8);
-    ni += (tl_i8)(n > y);                         /* ...so step down where that rounded up */
-    n = __builtin_convertvector(ni, tl_v8);
-    tl_v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    tl_v8 p = tl_splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    tl_i8 bits = (ni + 127) << 23;
-    tl_v8 two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
 }
 
 /* [sum(a[0]), sum(a[1]), ..., sum(a[7])]: eight horizontal sums in 7 adds. */
