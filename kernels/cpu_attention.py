@@ -1,7 +1,8 @@
-"""A faster torch path for paged attention on the CPU (same contract as the reference).
+"""Paged attention on the CPU (same contract as the reference).
 
-`paged_attention_cpu` computes what `reference.paged_attention_ref` computes, in float32,
-with fewer ops per decode:
+`paged_attention_cpu` computes what `reference.paged_attention_ref` computes, in float32.
+With `native=True` (the `native` backend) every decode of the batch goes to the C kernel in
+one call (kernels/cpu_native.py); otherwise, and for prefill chunks either way:
 
 - Decodes (query length 1) are sorted by context length and cut into groups whose padding
   wastes < 25% of the group's rows and whose gathered K/V stay small
