@@ -385,14 +385,14 @@ static inline __attribute__((always_inline)) void tl_attend_fixed(
 }
 
 #define TL_FIXED(D, G) \
-    case (D) * 16 + (G): tl_attend_fixed(j, decode, h0, h1, scores, acc, (D), (G)); return
+    case (D) * 128 + (G): tl_attend_fixed(j, decode, h0, h1, scores, acc, (D), (G)); return
 
 /* Work item `item`: KV heads [h0, h0 + heads_per_item) of decode item / items_per_decode. */
 static void tl_attend(const tl_job *j, int item, float *scores, float *row, float *acc) {
     const int per_decode = j->hkv / j->heads_per_item;
     const int decode = item / per_decode, h0 = item % per_decode * j->heads_per_item;
     const int h1 = h0 + j->heads_per_item;
-    switch (j->d * 16 + j->hq / j->hkv) {
+    switch (j->d * 128 + j->hq / j->hkv) { /* G <= TL_MAX_GROUP < 128: one key per shape */
     TL_FIXED(32, 1); TL_FIXED(32, 2); TL_FIXED(32, 4); TL_FIXED(32, 8);
     TL_FIXED(64, 1); TL_FIXED(64, 2); TL_FIXED(64, 4); TL_FIXED(64, 8);
     TL_FIXED(128, 1); TL_FIXED(128, 2); TL_FIXED(128, 4); TL_FIXED(128, 8);

@@ -426,8 +426,19 @@ class CausalLM(nn.Module):
         if weight_dtype is not None and weight_dtype != dtype:
             model.round_weights(weight_dtype)
         if prepack and device.type == "cpu":
-            model.lm_head = prepack_linear(model.lm_head)
+            model.prepack_linears()
         return model.eval()
+
+    def prepack_linears(self) -> None:
+        """Swap the large float32 linears for oneDNN-prepacked ones (runtime/cpu_dense.py). The
+        per-layer ones drop their dense weight; the LM head keeps it (the tied embedding)."""
+        self.lm_head = prepack_linear(self.lm_head)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = prepack_linear(attn.qkv_proj, keep_dense=False)
+            attn.o_proj = prepack_linear(attn.o_proj, keep_dense=False)
+            mlp.gate_up_proj = prepack_linear(mlp.gate_up_proj, keep_dense=False)
+            mlp.down_proj = prepack_linear(mlp.down_proj, keep_dense=False)
 
     @torch.no_grad()
     def round_weights(self, weight_dtype: torch.dtype) -> None:

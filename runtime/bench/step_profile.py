@@ -157,6 +157,8 @@ class StepRecorder:
     def attach(self, engine) -> None:
         import torch.nn as nn
 
+        from tokenlane.runtime.cpu_dense import PrepackedLinear
+
         scheduler, executor = engine.scheduler, engine.executor
         schedule = scheduler.schedule
 
@@ -181,7 +183,7 @@ class StepRecorder:
             for name, module in model.named_modules():
                 if name == "lm_head":
                     self._hook_module(module, "lm_head")
-                elif isinstance(module, nn.Linear):
+                elif isinstance(module, (nn.Linear, PrepackedLinear)):
                     # The attention modules' projections: linear time, not attention time.
                     extra = ("attn_linear",) if ".self_attn." in f".{name}." else ()
                     self._hook_module(module, "linear", *extra)

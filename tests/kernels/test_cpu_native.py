@@ -67,6 +67,15 @@ def test_mixed_batch_matches_dense_reference(kcase, group, head_dim, cache_dtype
     check(run(case), case, kcase)
 
 
+@pytest.mark.parametrize("head_dim, group", [(31, 17), (63, 18), (126, 34)])
+def test_generic_shapes_are_not_taken_for_vector_path_shapes(kcase, head_dim, group):
+    """The kernel picks its path by (head size, group): shapes whose old key d * 16 + G equals
+    a vector-path shape's (31 * 16 + 17 == 32 * 16 + 1) must still take the generic path."""
+    case = kcase.build([37, 20, 64], [1, 1, 1], num_heads=group, num_kv_heads=1, head_dim=head_dim,
+                       block_size=16, dtype=torch.float32, seed=head_dim)
+    check(run(case), case, kcase)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_many_decodes_on_threads_match_torch_path(kcase, threads, cache_dtype):

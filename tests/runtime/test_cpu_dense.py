@@ -110,10 +110,12 @@ def _head_weight(out_features=4096, in_features=512):
 @needs_onednn
 @pytest.mark.parametrize("shape", [(0, 512), (1, 512), (2, 512), (16, 512), (64, 512), (3, 5, 512)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_prepacked_linear_matches_f_linear(shape, with_bias):
+@pytest.mark.parametrize("keep_dense", [True, False])
+def test_prepacked_linear_matches_f_linear(shape, with_bias, keep_dense):
     weight = _head_weight()
     bias = torch.randn(weight.shape[0]) if with_bias else None
-    layer = PrepackedLinear(weight, bias)
+    layer = PrepackedLinear(weight, bias, keep_dense=keep_dense)
+    assert (layer.weight is None) != keep_dense  # without it, one row goes through oneDNN too
     x = torch.randn(*shape)
     with torch.inference_mode():
         got, want = layer(x), F.linear(x, weight, bias)
@@ -171,9 +173,14 @@ def test_prepacked_head_logits_match_transformers(tmp_path, tie, one_torch_threa
 
 
 @needs_onednn
-def test_greedy_tokens_match_transformers_through_a_prepacked_head(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS", 1)  # the tiny model's head qualifies
+def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS", 1)  # every linear of the tiny model qualifies
     reqs = engine_requests(8, 1024, seed=21, max_len=40, max_new=(4, 12))
     engine = run_engine(tiny_model_dir, reqs, chunk=7, max_batched_tokens=40)
-    assert isinstance(engine.executor.model.lm_head, PrepackedLinear)
+    model = engine.executor.model
+    assert isinstance(model.lm_head, PrepackedLinear) and model.lm_head.weight is not None
+    for layer in model.layers:
+        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        # Packed only: the dense per-layer weights are not held a second time.
+        assert all(isinstance(m, PrepackedLinear) and m.weight is None for m in linears)
     assert_matches_hf(tiny_model_dir, reqs)
