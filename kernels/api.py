@@ -42,12 +42,20 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto") -> None:
     """Scatter K/V `[T, Hkv, D]` into the paged caches at `slot_mapping` (< 0 = skip)."""
-    if resolve_backend(backend, key.device) == "triton":
+    resolved = resolve_backend(backend, key.device)
+    if resolved == "triton":
         from tokenlane.kernels.triton_kernels import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        return
+    if resolved == "native":
+        from tokenlane.kernels import cpu_native
+
+        # One C call instead of a mask, two gathers and two index_copy_ per layer.
+        if cpu_native.can_write_kv(key, value, key_cache, value_cache, slot_mapping) and \
+                cpu_native.write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+            return
+    write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(

@@ -17,7 +17,8 @@
  * the generic path vectorize without -ffast-math (no OpenMP runtime is linked); the vector path
  * uses GCC vector extensions.
  *
- * Also here: `tl_argmax_rows`, greedy sampling's argmax.
+ * Also here: `tl_argmax_rows`, greedy sampling's argmax, and `tl_write_kv`, the KV cache
+ * write (a scatter of K/V rows to their cache slots).
  */
 #include <float.h>
 #include <math.h>
@@ -512,6 +513,72 @@ int tl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, i
             }
         }
         out[r] = index;
+    }
+    return TL_OK;
+}
+
+/* float32 -> bfloat16 as torch rounds it: to nearest, ties to even; NaN -> the quiet NaN. */
+static inline uint16_t tl_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The KV cache write of one layer: the rows [Hkv, D] of K and V of token t go to cache slot
+ * slots[t] (block slots[t] / block_size, row slots[t] % block_size); a negative slot is
+ * skipped. The source is float32 (rounded to the cache dtype as torch's `.to()` rounds) or
+ * already the cache dtype (copied as it is). K and V share their strides (views of one qkv
+ * matrix or two alike tensors), and so do the caches. Returns TL_BAD_SHAPE with nothing
+ * written when a slot is past the cache (`num_slots`). One thread: a step writes a few MiB at
+ * most, less than a thread start would save. */
+int tl_write_kv(const void *k, const void *v, int src_dtype, int64_t s_tok, int64_t s_head,
+                void *k_cache, void *v_cache, int dtype, int64_t c_block, int64_t c_tok,
+                int64_t c_head, const int64_t *slots, int64_t n, int hkv, int d, int block_size,
+                int64_t num_slots) {
+    if (dtype != TL_FLOAT32 && dtype != TL_BFLOAT16 && dtype != TL_FLOAT16)
+        return TL_BAD_DTYPE;
+#ifndef __FLT16_MAX__
+    if (dtype == TL_FLOAT16 && src_dtype != TL_FLOAT16)
+        return TL_BAD_DTYPE;
+#endif
+    if (src_dtype != TL_FLOAT32 && src_dtype != dtype)
+        return TL_BAD_DTYPE;
+    if (n < 0 || hkv <= 0 || d <= 0 || block_size <= 0)
+        return TL_BAD_SHAPE;
+    for (int64_t t = 0; t < n; ++t)
+        if (slots[t] >= num_slots)
+            return TL_BAD_SHAPE;
+    const size_t size = dtype == TL_FLOAT32 ? 4 : 2, src_size = src_dtype == TL_FLOAT32 ? 4 : 2;
+    for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0)
+            continue;
+        const int64_t dst = slot / block_size * c_block + slot % block_size * c_tok;
+        for (int pass = 0; pass < 2; ++pass) {
+            const char *src_row = (const char *)(pass ? v : k) + (size_t)(t * s_tok) * src_size;
+            char *dst_row = (char *)(pass ? v_cache : k_cache) + (size_t)dst * size;
+            for (int h = 0; h < hkv; ++h) {
+                const char *s = src_row + (size_t)(h * s_head) * src_size;
+                char *o = dst_row + (size_t)(h * c_head) * size;
+                if (src_dtype == dtype) {
+                    memcpy(o, s, (size_t)d * size);
+                } else if (dtype == TL_BFLOAT16) {
+                    const float *f = (const float *)s;
+                    uint16_t *b = (uint16_t *)o;
+                    for (int i = 0; i < d; ++i)
+                        b[i] = tl_to_bf16(f[i]);
+                } else {
+#ifdef __FLT16_MAX__
+                    const float *f = (const float *)s;
+                    _Float16 *b = (_Float16 *)o;
+                    for (int i = 0; i < d; ++i)
+                        b[i] = (_Float16)f[i];
+#endif
+                }
+            }
+        }
     }
     return TL_OK;
 }

@@ -1,4 +1,4 @@
-"""The C decode-attention kernel for the CPU (kernels/cpu_native.c): build, load, launch.
+"""The C kernels for the CPU (kernels/cpu_native.c): build, load, launch.
 
 The source is compiled once per machine with the system C compiler (`cc`, or `$CC`) for the
 host's own instruction set (-march=native) into a shared library cached under
@@ -8,9 +8,10 @@ feature flags; a build takes about a second. It is called through ctypes, which 
 GIL for the call. Without a compiler (or when the build fails) `load()` returns None, logs
 why once, and the engine keeps the torch path (kernels/cpu_attention.py).
 
-`paged_decode_attention` is the one launcher: it checks shapes, strides and dtypes, then runs
-every decode of a batch in one call. Results equal the torch reference up to float32
-summation order (tests/kernels/test_cpu_native.py).
+`paged_decode_attention` is the decode-attention launcher: it checks shapes, strides and
+dtypes, then runs every decode of a batch in one call. Results equal the torch reference up
+to float32 summation order (tests/kernels/test_cpu_native.py). `write_kv_cache` (the KV cache
+write, bit-exact with the torch one) and `argmax_rows` (greedy sampling) are the others.
 """
 
 from __future__ import annotations
@@ -144,6 +145,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     argmax = lib.tl_argmax_rows
     argmax.restype = i32
     argmax.argtypes = [ptr, i64, i64, i64, ptr]  # x, rows, cols, row stride, out
+    write = lib.tl_write_kv
+    write.restype = i32
+    write.argtypes = [
+        ptr, ptr, i32, i64, i64,  # k, v, their dtype code, token and head strides
+        ptr, ptr, i32, i64, i64, i64,  # k cache, v cache, dtype code, block/token/head strides
+        ptr, i64,  # slots, n
+        i32, i32, i32, i64,  # hkv, d, block_size, num_slots
+    ]
     return lib
 
 
@@ -164,6 +173,58 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if code:
         raise RuntimeError(f"native argmax failed: {_ERRORS.get(code, code)}")
     return out
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D] float32 or the cache dtype
+    value: torch.Tensor,  # same shape, dtype and strides as key
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32 | bfloat16 | float16
+    value_cache: torch.Tensor,  # same shape, dtype and strides as key_cache
+    slot_mapping: torch.Tensor,  # [T] int64: block * block_size + offset; < 0 = skip
+) -> bool:
+    """kernels/reference.py's `write_kv_cache_ref` in one C call: no mask, no gathered copy.
+    False (nothing written) where this build has no float16 conversion. Raises ValueError for
+    inputs it does not take (the caller checks `can_write_kv` first) and for a slot past the
+    cache."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels are not available: {_load_error}")
+    if not can_write_kv(key, value, key_cache, value_cache, slot_mapping):
+        raise ValueError(f"native KV write: unsupported inputs key {key.dtype} {tuple(key.shape)} "
+                         f"{key.stride()}, value {value.dtype} {value.stride()}, cache {key_cache.dtype} "
+                         f"{tuple(key_cache.shape)}, slots {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    num_blocks, block_size, hkv, d = key_cache.shape
+    code = lib.tl_write_kv(
+        key.data_ptr(), value.data_ptr(), _DTYPES[key.dtype], key.stride(0), key.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPES[key_cache.dtype],
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        slot_mapping.data_ptr(), slot_mapping.numel(), hkv, d, block_size, num_blocks * block_size,
+    )
+    if code == 1:
+        return False
+    if code == 3:
+        raise ValueError(f"KV write: a slot is past the cache's {num_blocks * block_size} slots")
+    if code:
+        raise RuntimeError(f"native KV write failed: {_ERRORS.get(code, code)}")
+    return True
+
+
+def can_write_kv(key, value, key_cache, value_cache, slot_mapping) -> bool:
+    """Whether `write_kv_cache` takes these: CPU tensors, K/V alike (float32 or the cache
+    dtype) with a contiguous last axis, caches alike, int64 slots."""
+    cache_dtype = key_cache.dtype
+    return (
+        key.device.type == "cpu" and key_cache.device.type == "cpu"
+        and key.dim() == 3 and key_cache.dim() == 4 and key.shape[1:] == key_cache.shape[2:]
+        and value.shape == key.shape and value.dtype == key.dtype and value.stride() == key.stride()
+        and key.dtype in (torch.float32, cache_dtype) and key.stride(-1) == 1
+        and cache_dtype in _DTYPES and value_cache.dtype == cache_dtype
+        and value_cache.shape == key_cache.shape and value_cache.stride() == key_cache.stride()
+        and key_cache.stride(-1) == 1
+        and slot_mapping.dtype == torch.int64 and slot_mapping.dim() == 1
+        and slot_mapping.is_contiguous() and slot_mapping.numel() == key.shape[0]
+        and slot_mapping.device.type == "cpu"
+    )
 
 
 def paged_decode_attention(

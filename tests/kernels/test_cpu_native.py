@@ -225,3 +225,79 @@ def test_argmax_rows_matches_torch_including_ties_nan_and_inf():
     assert torch.equal(api.argmax_rows(bf16), bf16.argmax(dim=-1))
     with pytest.raises(ValueError, match="float32 CPU matrix"):
         cpu_native.argmax_rows(x.double())
+
+
+# ------------------------------------------------------------------ the KV cache write
+
+def _kv_write_case(cache_dtype, num_tokens=37, hkv=4, d=64, block_size=16, num_blocks=9, seed=0):
+    """K and V as views of one qkv matrix (as the model passes them), shuffled slots with two
+    skipped (-1), and caches full of NaN so every untouched element shows."""
+    gen = torch.Generator().manual_seed(seed)
+    hq = 2 * hkv
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen) * 3
+    # Values whose rounding matters: exact ties between two bf16/fp16 neighbours, specials.
+    special = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -11 + 2 ** -22,
+                            float("nan"), float("inf"), float("-inf"), -0.0, 1e-40, 65520.0])
+    qkv[0, hq * d:hq * d + special.numel()] = special
+    qkv[1, (hq + hkv) * d:(hq + hkv) * d + special.numel()] = special
+    key = qkv[:, hq * d:(hq + hkv) * d].view(num_tokens, hkv, d)
+    value = qkv[:, (hq + hkv) * d:].view(num_tokens, hkv, d)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[3, 11]] = -1
+    shape = (num_blocks, block_size, hkv, d)
+    caches = [torch.full(shape, float("nan"), dtype=cache_dtype) for _ in range(2)]
+    return key, value, caches, slots
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_kv_write_is_bit_exact_with_the_torch_write(cache_dtype):
+    from tokenlane.kernels.reference import write_kv_cache_ref
+
+    key, value, (kc, vc), slots = _kv_write_case(cache_dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv_cache_ref(key, value, want_k, want_v, slots)
+    assert cpu_native.can_write_kv(key, value, kc, vc, slots)
+    assert cpu_native.write_kv_cache(key, value, kc, vc, slots)
+    assert_same_bits(kc, want_k)
+    assert_same_bits(vc, want_v)
+
+
+def assert_same_bits(got, want):
+    """Bit patterns equal (the same rounding, nothing else touched), except that NaN may be
+    any NaN: torch's own float32 -> bfloat16 gives 0x7fc0 or 0xffff, by code path."""
+    bits = {torch.float32: torch.int32}.get(got.dtype, torch.int16)
+    same = (got.view(bits) == want.view(bits)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} elements differ"
+
+
+def test_kv_write_copies_rows_already_in_the_cache_dtype():
+    from tokenlane.kernels.reference import write_kv_cache_ref
+
+    key, value, (kc, vc), slots = _kv_write_case(torch.bfloat16, seed=1)
+    key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)  # contiguous, alike strides
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv_cache_ref(key, value, want_k, want_v, slots)
+    api.write_kv_cache(key, value, kc, vc, slots, backend="native")
+    assert_same_bits(kc, want_k)
+    assert_same_bits(vc, want_v)
+
+
+def test_kv_write_dispatch_and_refusals(monkeypatch):
+    key, value, (kc, vc), slots = _kv_write_case(torch.float32, seed=2)
+    calls = []
+    write = cpu_native.write_kv_cache
+    monkeypatch.setattr(cpu_native, "write_kv_cache", lambda *a: calls.append(1) or write(*a))
+    api.write_kv_cache(key, value, kc, vc, slots, backend="native")
+    api.write_kv_cache(key, value, kc, vc, slots, backend="torch")  # the torch path stays torch
+    assert calls == [1]
+    # Inputs the C write does not take go to the torch write (here: int32 slots, unlike strides).
+    assert not cpu_native.can_write_kv(key, value, kc, vc, slots.int())
+    assert not cpu_native.can_write_kv(key, value.contiguous(), kc, vc, slots)
+    api.write_kv_cache(key, value.contiguous(), kc, vc, slots, backend="native")
+    assert calls == [1]
+    before = kc.clone()
+    bad = slots.clone()
+    bad[-1] = kc.shape[0] * kc.shape[1]  # one past the last slot
+    with pytest.raises(ValueError, match="past the cache"):
+        cpu_native.write_kv_cache(key, value, kc, vc, bad)
+    assert_same_bits(kc, before)  # nothing written
