@@ -10,6 +10,8 @@ ignored; all submitted at t=0.
 
 Systems, run one after the other with the same torch thread count (default 2):
   tokenlane        LLMEngine + ModelExecutor (continuous batching, paged KV cache)
+  tokenlane-kv-bf16  the same with `engine.kvCacheDtype: bfloat16` (not run by default: K/V
+                   rounded to bf16, so its greedy tokens may differ)
   hf-continuous    transformers' ContinuousBatchingManager (behind `generate_batch`),
                    per-request max_new_tokens
   hf-static-8/32   `generate()` on left-padded batches of 8 / 32 requests in submission
@@ -23,6 +25,12 @@ computed token, the LM head for every sampled token, causal attention scores) di
 the machine's measured float32 GEMM rate at the same thread count. On a shared host, the
 "GEMM GF/s" column (a 1024^3 GEMM probe right before each system) shows how much of the
 machine each system had.
+
+The matmul-bound limit leaves out what is bound by memory rather than FLOPs: each decode
+reads its whole cached context (K and V, every layer), and these bytes are read again every
+step. The "serial bound" adds the time to read them at the machine's measured single-process
+read bandwidth (a large `sum`) to the matmul-bound time: an engine that does not overlap
+attention with matmuls (ours does not on the CPU) cannot beat it.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -101,7 +108,8 @@ def build_model(out_dir: Path):
 # --------------------------------------------------------------------------- systems
 
 
-def run_tokenlane(model_dir: Path, work, *, max_batched_tokens: int, chunk: int, block_size: int) -> SystemResult:
+def run_tokenlane(model_dir: Path, work, *, max_batched_tokens: int, chunk: int, block_size: int,
+                  kv_cache_dtype: str = "auto", name: str = "tokenlane") -> SystemResult:
     from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
     from tokenlane.runtime.engine import LLMEngine
     from tokenlane.runtime.executor import ModelExecutor
@@ -109,7 +117,7 @@ def run_tokenlane(model_dir: Path, work, *, max_batched_tokens: int, chunk: int,
 
     config = RuntimeConfig(
         model=ModelConfig(path=str(model_dir), dtype="float32"),
-        engine=EngineConfig(block_size=block_size, device="cpu"),
+        engine=EngineConfig(block_size=block_size, device="cpu", kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_active_sequences=len(work),
             max_waiting_requests=max(512, len(work)),
@@ -133,12 +141,13 @@ def run_tokenlane(model_dir: Path, work, *, max_batched_tokens: int, chunk: int,
         steps += 1
     wall = max(r.finish_time for r in requests) - t0
     return SystemResult(
-        name="tokenlane",
+        name=name,
         wall_s=wall,
         output_tokens=sum(r.num_output_tokens for r in requests),
         ttft_s=[r.first_token_time - t0 for r in requests],
         tokens=[list(r.output_token_ids) for r in requests],
-        notes=f"maxBatchedTokens={max_batched_tokens} prefillChunk={chunk} blockSize={block_size}",
+        notes=f"maxBatchedTokens={max_batched_tokens} prefillChunk={chunk} blockSize={block_size} "
+              f"kvCacheDtype={kv_cache_dtype}",
         extra={"steps": steps, "preemptions": sum(r.num_preemptions for r in requests)},
     )
 
@@ -277,6 +286,30 @@ def measure_matmul_flops(threads: int, seconds: float = 3.0, shapes=None) -> dic
     return best
 
 
+def measure_read_bandwidth(threads: int, seconds: float = 1.0, mib: int = 512) -> float:
+    """Bytes/s one process reads from memory (a `sum` over a buffer far larger than the caches)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
+    return best
+
+
+def workload_kv_read_bytes(work, bytes_per_element: int = 4) -> float:
+    """Bytes of cached K and V the decodes read: the decode that samples token j + 1 of a
+    request (j >= 1 tokens already out) attends to prompt + j cached tokens in every layer."""
+    layers, kv_heads = MODEL_KW["num_hidden_layers"], MODEL_KW["num_key_value_heads"]
+    head_dim = MODEL_KW["hidden_size"] // MODEL_KW["num_attention_heads"]
+    per_token = layers * 2 * kv_heads * head_dim * bytes_per_element
+    return float(sum(per_token * (len(prompt) + j) for prompt, max_new in work for j in range(1, max_new)))
+
+
 def workload_flops(work) -> dict:
     h, inter, layers = MODEL_KW["hidden_size"], MODEL_KW["intermediate_size"], MODEL_KW["num_hidden_layers"]
     heads, kv_heads = MODEL_KW["num_attention_heads"], MODEL_KW["num_key_value_heads"]
@@ -325,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = make_workload(args.num_requests)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    known = {"tokenlane", "hf-continuous", "hf-static-8", "hf-static-32"}
+    known = {"tokenlane", "tokenlane-kv-bf16", "hf-continuous", "hf-static-8", "hf-static-32"}
     unknown = set(systems) - known
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; known: {sorted(known)}")
@@ -339,9 +372,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             # of the machine it had (reported next to its numbers).
             probe = max(measure_matmul_flops(args.threads, 0.6, shapes=[(1024, 1024, 1024)]).values())
             print(f"running {name} (GEMM probe {probe / 1e9:.0f} GFLOP/s) ...", file=sys.stderr, flush=True)
-            if name == "tokenlane":
+            if name.startswith("tokenlane"):
                 res = run_tokenlane(model_dir, work, max_batched_tokens=args.max_batched_tokens,
-                                    chunk=args.prefill_chunk, block_size=args.block_size)
+                                    chunk=args.prefill_chunk, block_size=args.block_size, name=name,
+                                    kv_cache_dtype="bfloat16" if name.endswith("kv-bf16") else "auto")
             elif name == "hf-continuous":
                 res = run_hf_continuous(hf_model, work)
             else:
@@ -359,13 +393,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     total_out = sum(n for _, n in work)
     limit_s = flops["total"] / peak
     limit_tps = total_out / limit_s
+    read_bw = measure_read_bandwidth(args.threads, min(1.0, args.matmul_seconds))
+    kv_bytes = workload_kv_read_bytes(work)
+    serial_s = limit_s + kv_bytes / read_bw
+    serial_tps = total_out / serial_s
     best_hf = max((r for r in results if r.name.startswith("hf-")), key=lambda r: r.tokens_per_s, default=None)
 
     print()
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
           f"{total_out} output tokens; torch threads={args.threads}")
     print(f"{'system':<15} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'vs best HF':>10} "
-          f"{'of limit':>9} {'GEMM GF/s':>9}  tokens vs {reference.name}")
+          f"{'of limit':>9} {'of serial':>9} {'GEMM GF/s':>9}  tokens vs {reference.name}")
     for r in results:
         ratio = r.tokens_per_s / best_hf.tokens_per_s if best_hf else float("nan")
         same = "reference" if r is reference else (
@@ -373,11 +411,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{r.mismatched_requests}/{len(work)} differ (first: req {r.first_mismatch['request']} "
             f"at token {r.first_mismatch['position']})")
         print(f"{r.name:<15} {r.tokens_per_s:8.1f} {r.wall_s:8.2f} {r.ttft_pct(50):9.2f} {r.ttft_pct(99):9.2f} "
-              f"{ratio:9.2f}x {r.tokens_per_s / limit_tps:8.1%} {r.extra['gemm_probe_gflops']:9.0f}  {same}")
+              f"{ratio:9.2f}x {r.tokens_per_s / limit_tps:8.1%} {r.tokens_per_s / serial_tps:8.1%} "
+              f"{r.extra['gemm_probe_gflops']:9.0f}  {same}")
     print(f"matmul-bound limit: {flops['total'] / 1e9:.0f} GFLOP needed "
           f"(linear {flops['linear'] / 1e9:.0f}, lm_head {flops['lm_head'] / 1e9:.0f}, "
           f"attention {flops['attention'] / 1e9:.0f}) / {peak / 1e9:.1f} GFLOP/s measured "
           f"= {limit_s:.2f} s -> {limit_tps:.0f} output tok/s")
+    print(f"serial bound: + {kv_bytes / 1e9:.1f} GB of float32 K/V read by the decodes / "
+          f"{read_bw / 1e9:.1f} GB/s measured = {serial_s:.2f} s -> {serial_tps:.0f} output tok/s")
 
     if args.json:
         doc = {
@@ -391,6 +432,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "output_tokens": r.output_tokens, "ttft_p50_s": r.ttft_pct(50), "ttft_p99_s": r.ttft_pct(99),
                     "speedup_vs_best_hf": (r.tokens_per_s / best_hf.tokens_per_s) if best_hf else None,
                     "fraction_of_matmul_limit": r.tokens_per_s / limit_tps,
+                    "fraction_of_serial_bound": r.tokens_per_s / serial_tps,
                     "mismatched_requests_vs_reference": None if r is reference else r.mismatched_requests,
                     "first_mismatch": r.first_mismatch, "notes": r.notes, **r.extra,
                 }
@@ -401,6 +443,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "workload_gflop": {k: v / 1e9 for k, v in flops.items()},
             "matmul_bound_seconds": limit_s,
             "matmul_bound_output_tokens_per_s": limit_tps,
+            "decode_kv_read_gb": kv_bytes / 1e9,
+            "read_bandwidth_gb_per_s": read_bw / 1e9,
+            "serial_bound_seconds": serial_s,
+            "serial_bound_output_tokens_per_s": serial_tps,
         }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")

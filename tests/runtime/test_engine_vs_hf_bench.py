@@ -28,15 +28,24 @@ def test_flops_accounting():
     assert f["attention"] == layers * 4 * 8 * 64 * sum(range(1, 13))
 
 
+def test_kv_read_accounting():
+    """A request with a 10-token prompt and 3 new tokens runs 2 decodes, over 11 and 12 cached
+    tokens; each cached token is K and V of 4 KV heads x 64 in 4 layers, float32."""
+    per_token = 4 * 2 * 4 * 64 * 4
+    assert bench.workload_kv_read_bytes([([5] * 10, 3)]) == (11 + 12) * per_token
+    assert bench.workload_kv_read_bytes([([5] * 10, 1)]) == 0  # the prefill samples the only token
+
+
 @pytest.mark.slow
 def test_two_request_run_writes_json(tmp_path):
     out = tmp_path / "r.json"
     assert bench.main(["--num-requests", "2", "--matmul-seconds", "0.2", "--json", str(out),
-                       "--systems", "tokenlane,hf-continuous,hf-static-8"]) == 0
+                       "--systems", "tokenlane,tokenlane-kv-bf16,hf-continuous,hf-static-8"]) == 0
     doc = json.loads(out.read_text())
     names = [s["name"] for s in doc["systems"]]
-    assert names == ["tokenlane", "hf-continuous", "hf-static-8"]
+    assert names == ["tokenlane", "tokenlane-kv-bf16", "hf-continuous", "hf-static-8"]
+    assert "kvCacheDtype=bfloat16" in doc["systems"][1]["notes"]
     for s in doc["systems"]:
         assert s["output_tokens"] == doc["workload"]["output_tokens"]
         assert s["output_tokens_per_s"] > 0
-    assert doc["matmul_bound_output_tokens_per_s"] > 0
+    assert doc["matmul_bound_output_tokens_per_s"] > doc["serial_bound_output_tokens_per_s"] > 0
