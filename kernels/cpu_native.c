@@ -426,7 +426,9 @@ static void *tl_worker(void *arg) {
     return NULL;
 }
 
-/* Returns TL_OK, or an error code with nothing guaranteed written. `max_len` >= every lens[i].
+/* Returns TL_OK, or an error code with nothing guaranteed written (TL_BAD_SHAPE, nothing read
+ * or written, when a row, table row, length or block number is out of range: `q_rows` rows of
+ * q and out, `table_rows` block tables, `num_blocks` cache blocks, lengths in [1, max_len]).
  * A thread that cannot be started leaves its share to the others. */
 int tl_paged_decode_attention(
     const float *q, int64_t q_tok, int64_t q_head,
@@ -435,7 +437,8 @@ int tl_paged_decode_attention(
     const int32_t *tables, int64_t table_stride,
     const int32_t *rows, const int32_t *seqs, const int32_t *lens, int n,
     int hq, int hkv, int d, int block_size, int max_len, float scale,
-    float *out, int64_t o_tok, int64_t o_head, int num_threads) {
+    float *out, int64_t o_tok, int64_t o_head, int num_threads, int64_t q_rows, int64_t table_rows,
+    int64_t num_blocks) {
     if (dtype != TL_FLOAT32 && dtype != TL_BFLOAT16) {
 #ifndef __FLT16_MAX__
         return TL_BAD_DTYPE;
@@ -449,6 +452,17 @@ int tl_paged_decode_attention(
         return TL_BAD_SHAPE;
     if (n == 0)
         return TL_OK;
+    /* Every index the items will follow, checked before any is: a bad block table fails the
+     * call instead of reading outside the cache. */
+    for (int i = 0; i < n; ++i) {
+        if (rows[i] < 0 || rows[i] >= q_rows || seqs[i] < 0 || seqs[i] >= table_rows || lens[i] < 1
+            || lens[i] > max_len || (lens[i] + block_size - 1) / block_size > table_stride)
+            return TL_BAD_SHAPE;
+        const int32_t *table = tables + (int64_t)seqs[i] * table_stride;
+        for (int b = 0; b < (lens[i] + block_size - 1) / block_size; ++b)
+            if (table[b] < 0 || table[b] >= num_blocks)
+                return TL_BAD_SHAPE;
+    }
     tl_job job = {.q = q, .q_tok = q_tok, .q_head = q_head, .k = k_cache, .v = v_cache,
                   .dtype = dtype, .c_block = c_block, .c_tok = c_tok, .c_head = c_head,
                   .tables = tables, .table_stride = table_stride, .rows = rows, .seqs = seqs,

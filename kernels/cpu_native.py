@@ -141,6 +141,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         i32, i32, i32, i32, i32, ctypes.c_float,  # hq, hkv, d, block_size, max_len, scale
         ptr, i64, i64,  # out, its token and head strides
         i32,  # threads
+        i64, i64, i64,  # rows of q / out, rows of block_tables, cache blocks (bounds)
     ]
     argmax = lib.tl_argmax_rows
     argmax.restype = i32
@@ -241,9 +242,8 @@ def paged_decode_attention(
     num_threads: int = 1,
 ) -> torch.Tensor:
     """out[rows[i]] = attention of query[rows[i]] over the first lens[i] cached tokens of
-    block-table row seqs[i]. The other rows of `out` are left as they are. The index tensors
-    are trusted (the caller built them from the batch metadata): the C code does not bound-check
-    block numbers."""
+    block-table row seqs[i]. The other rows of `out` are left as they are. Every index is
+    bound-checked in C before any is followed (ValueError, nothing written)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"native CPU attention is not available: {_load_error}")
@@ -285,7 +285,12 @@ def paged_decode_attention(
         hq, hkv, d, block_size, max_len, float(scale),
         out.data_ptr(), out.stride(0), out.stride(1),
         max(1, int(num_threads)),
+        t, block_tables.shape[0], num_blocks,
     )
+    if code == 3:
+        raise ValueError("native CPU attention: a row, sequence, context length or block number "
+                         f"is out of range (rows < {t}, sequences < {block_tables.shape[0]}, lengths "
+                         f"in [1, {max_len}], blocks < {num_blocks})")
     if code:
         raise RuntimeError(f"native CPU attention failed: {_ERRORS.get(code, code)}")
     return out

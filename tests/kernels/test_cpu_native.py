@@ -168,6 +168,16 @@ def test_launcher_rejects_bad_inputs(kcase):
         launch(lens=lens[:1])
     with pytest.raises(ValueError, match="contiguous last axis"):
         launch(query=q.transpose(1, 2).contiguous().transpose(1, 2))
+    # Indices are checked before any is followed: an error, not a read outside the cache.
+    bad_tables = tables.clone()
+    bad_tables[1, 0] = k.shape[0]  # one past the last block
+    for bad in (dict(block_tables=bad_tables), dict(seqs=torch.tensor([0, 2], dtype=torch.int32)),
+                dict(rows=torch.tensor([0, q.shape[0]], dtype=torch.int32)),
+                dict(lens=torch.tensor([40, 0], dtype=torch.int32))):
+        out.fill_(float("nan"))
+        with pytest.raises(ValueError, match="out of range"):
+            launch(**bad)
+        assert torch.isnan(out).all()  # nothing written
     launch()  # the same call with good inputs runs
     torch.testing.assert_close(out, paged_attention_ref(
         q, k, v, tables, case.seq_lens, case.query_start_loc, case.scale))
