@@ -173,9 +173,9 @@ class ServerState:
         self.recorder: Optional[FlightRecorder] = None
         if options.flight_recorder_steps > 0:
             self.recorder = FlightRecorder(options.flight_recorder_steps, self.engine.config)
-        # Dumps have a thread of their own: in asyncio's default executor they would queue
-        # behind tokenization (long prompts, /tokenize) and /debug/steps under a flood, and
-        # the operator's dump at a rollback gives up after a few seconds.
+        # Flight recorder reads (dumps, /debug/steps) have a thread of their own: in asyncio's
+        # default executor they would queue behind tokenization (long prompts, /tokenize)
+        # under a flood, and the operator's dump at a rollback gives up after a few seconds.
         self._dump_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenlane-dump")
 
     @property
@@ -353,7 +353,8 @@ def create_app(
             since_value = parse_since(since)
         except ValueError as exc:
             return error_response(400, str(exc), param="since", code="invalid_parameter")
-        body = await asyncio.to_thread(recorder.jsonl, since_value)  # up to a few MB of JSON
+        # Up to a few MB of JSON, encoded on the recorder's thread (not behind tokenization).
+        body = await asyncio.get_running_loop().run_in_executor(state._dump_worker, recorder.jsonl, since_value)
         return Response(body, media_type=JSONL_CONTENT_TYPE)
 
     @app.post("/debug/dump", responses={

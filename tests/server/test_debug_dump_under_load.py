@@ -1,5 +1,5 @@
-"""POST /debug/dump answers while the runtime is flooded (the operator asks for one at a
-rollback, with a few seconds' timeout): a full flight recorder ring, streams held in flight by
+"""POST /debug/dump and GET /debug/steps answer while the runtime is flooded (the operator
+asks for a dump at a rollback, with a few seconds' timeout): a full flight recorder ring, streams held in flight by
 a paused engine step, and every thread of asyncio's default executor busy tokenizing long
 prompts. Each is held by construction (a StepGate, a gated tokenizer), not by timing."""
 
@@ -95,19 +95,22 @@ def test_a_dump_answers_while_the_runtime_is_flooded(serve, tmp_path):
             assert tokenizer.holding == DEFAULT_EXECUTOR_THREADS  # the default executor is full
 
             dump = await client.post("/debug/dump", params={"reason": "rollback under load"})
+            steps = await client.get("/debug/steps")
 
             tokenizer.release()
             gate.resume()
-            return dump, await asyncio.gather(*streams), await asyncio.gather(*long_ones)
+            return dump, steps, await asyncio.gather(*streams), await asyncio.gather(*long_ones)
 
     with StepGate(live.engine.executor) as gate:
         try:
-            dump, streamed, long_answers = asyncio.run(main(gate))
+            dump, steps, streamed, long_answers = asyncio.run(main(gate))
         finally:
             tokenizer.release()
     assert dump.status_code == 200, dump.text
     document = json.loads(Path(dump.json()["path"]).read_text())
     assert document["reason"] == "rollback under load"
     assert len(document["steps"]) == state.recorder.capacity
+    assert steps.status_code == 200, steps.text
+    assert len(steps.text.splitlines()) == state.recorder.capacity
     assert all(lines[-1] == "[DONE]" for lines in streamed)  # the flood itself was served
     assert {r.status_code for r in long_answers} == {200}
