@@ -212,19 +212,10 @@ def write_dump(directory: Path, *, steps: Iterable[dict[str, Any]], metrics_text
     directory.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{now % 1:.3f}"[1:] + "Z"
     path = directory / f"tokenlane-dump-{stamp}-{os.getpid()}.json"
-    document = {
-        "reason": reason,
-        "time": now,
-        "pid": os.getpid(),
-        "steps": list(steps),
-        "metrics": metrics_text,
-        "config": config_text,
-    }
     partial = path.with_name(path.name + ".partial")
     try:
-        # json.dumps runs the C encoder; json.dump streams through the pure-Python one, 4-5x
-        # slower: a full ring took over 4 s beside a busy step thread, past the operator's timeout.
-        text = json.dumps(document, separators=(",", ":"))
+        text = dump_document_json(reason=reason, time=now, pid=os.getpid(), steps=steps,
+                                  metrics=metrics_text, config=config_text)
         with open(partial, "w") as f:
             f.write(text)
         os.replace(partial, path)
@@ -233,6 +224,23 @@ def write_dump(directory: Path, *, steps: Iterable[dict[str, Any]], metrics_text
         raise
     return path
 
+
+
+def dump_document_json(*, reason: str, time: float, pid: int, steps: Iterable[dict[str, Any]],
+                       metrics: str, config: str) -> str:
+    """The dump file's text: `json.dumps` of {reason, time, pid, steps, metrics, config} with
+    compact separators, encoded one step at a time. json.dumps runs the C encoder (json.dump
+    streams through the pure-Python one, 4-5x slower: a full ring took over 4 s beside a busy
+    step thread, past the operator's timeout), but one call over the whole ring holds the GIL
+    for its 0.3-1 s, and every stream of the server pauses that long; between two steps'
+    calls the interpreter can switch threads."""
+    def encode(value: Any) -> str:
+        return json.dumps(value, separators=(",", ":"))
+
+    fields = [("reason", encode(reason)), ("time", encode(time)), ("pid", encode(pid)),
+              ("steps", "[" + ",".join(encode(step) for step in steps) + "]"),
+              ("metrics", encode(metrics)), ("config", encode(config))]
+    return "{" + ",".join(f"{encode(key)}:{value}" for key, value in fields) + "}"
 
 
 def read_steps(path: str | Path) -> list[dict[str, Any]]:

@@ -10,7 +10,8 @@ import pytest
 
 from tokenlane.runtime.admission import AdmissionError
 from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.flight_recorder import FlightRecorder, config_hash, parse_since, write_dump
+from tokenlane.runtime.flight_recorder import (FlightRecorder, config_hash, dump_document_json, parse_since,
+                                               write_dump)
 from tokenlane.runtime.request import Request, SamplingParams
 from tokenlane.runtime.testing import FakeExecutor, make_config
 from tokenlane.runtime.bench.simulator import VirtualClock as Clock
@@ -160,6 +161,15 @@ def test_write_dump_writes_one_json_file(tmp_path):
     blocker.write_text("")
     with pytest.raises(OSError):
         write_dump(blocker, steps=[], metrics_text="", config_text="", reason="test")
+
+
+def test_dump_text_is_json_dumps_of_the_document_encoded_step_by_step():
+    steps = [{"step": i, "lanes": {"a": [i, 0.5], "b\u00e9": None}, "x": float(i) / 3} for i in range(5)]
+    fields = dict(reason='rollback "r1"', time=1764553200.123, pid=42, steps=steps, metrics="m 1\n",
+                  config="model: {}\n")
+    assert dump_document_json(**fields) == json.dumps(fields, separators=(",", ":"))
+    assert dump_document_json(**{**fields, "steps": iter([])}) == json.dumps({**fields, "steps": []},
+                                                                            separators=(",", ":"))
 
 
 def test_bench_report_draws_a_timeline_of_recorded_steps(tmp_path, capsys):
