@@ -3,6 +3,7 @@
     tokenlane operator [--namespace NS ... | --all-namespaces]
                        [--peering NAME | --standalone] [--priority N]
                        [--liveness URL] [--metrics-port N] [--log-format json|plain] [--verbose]
+                       [--tuning-tick-seconds S] [--autoscaling-tick-seconds S]
 
 Login: in-cluster service account, else KUBECONFIG / ~/.kube/config, through the official
 `kubernetes` client (kopf's piggybacking); the executor reuses kopf's credentials.
@@ -22,12 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import sys
 from typing import Any, Optional
 
 import kopf
 
-from tokenlane.operator import k8s, tuning
+from tokenlane.operator import k8s, scaling, tuning
 from tokenlane.operator.handlers import Operator, register
 
 log = logging.getLogger("tokenlane.operator")
@@ -59,10 +61,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 to disable)")
     parser.add_argument("--log-format", choices=("json", "plain"), default="json")
     parser.add_argument("-v", "--verbose", action="store_true")
+    # A run starts at most one tick after its interval is due; each tick reads the ModelService
+    # once (Prometheus is queried once per interval, whatever the tick).
+    parser.add_argument("--tuning-tick-seconds", type=positive_seconds, default=tuning.TICK_S, metavar="S",
+                        help="how often the tuning timer checks whether each ModelService's spec.tuning.interval "
+                             "has passed (default %(default)g; shorter: runs closer to their interval, one "
+                             "ModelService read per tick each)")
+    parser.add_argument("--autoscaling-tick-seconds", type=positive_seconds, default=scaling.TICK_S, metavar="S",
+                        help="the same for spec.autoscaling.interval, for the ModelServices with autoscaling "
+                             "enabled (default %(default)g)")
     args = parser.parse_args(argv)
     if not args.namespace and not args.all_namespaces:
         parser.error("choose the scope: --namespace NS (repeatable) or --all-namespaces")
     return args
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type of the timer ticks: a finite number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
+
+
+def operator_registry(args: argparse.Namespace) -> tuple[kopf.OperatorRegistry, Operator, tuning.Tuning]:
+    """The handlers and timers of one operator process, with the timer ticks of `args`."""
+    op = Operator(autoscaling=scaling.Autoscaling(tick_s=args.autoscaling_tick_seconds))
+    registry = register(kopf.OperatorRegistry(), op, login=login)
+    # the rollout guard and SLO tuner timer
+    t = tuning.register(registry, op, tuning=tuning.Tuning(op, tick_s=args.tuning_tick_seconds))
+    return registry, op, t
 
 
 def start_metrics_server(port: int) -> None:
@@ -125,9 +156,7 @@ def run(args: argparse.Namespace, stop_flag: Optional[asyncio.Event] = None) -> 
                    log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN)
     start_metrics_server(args.metrics_port)
     choose_peering(args)
-    op = Operator()
-    registry = register(kopf.OperatorRegistry(), op, login=login)
-    tuning.register(registry, op)  # the rollout guard and SLO tuner timer
+    registry, _, _ = operator_registry(args)
 
     @kopf.on.startup(registry=registry)
     def peering_settings(settings: kopf.OperatorSettings, **_: Any) -> None:

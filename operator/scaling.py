@@ -264,6 +264,15 @@ class Autoscaling:
         last = self.last_run.get((namespace, name))
         return last is None or now - last >= interval_s
 
+    def may_be_due(self, namespace: str, name: str, spec: Mapping[str, Any]) -> bool:
+        """False when `spec.autoscaling.interval` (of kopf's cached spec) has not passed since the
+        last run: a tick that is not due reads nothing. `tick` decides on a fresh read."""
+        try:
+            interval_s = parse_duration((spec.get("autoscaling") or {}).get("interval") or "30s")
+        except (ValueError, TypeError):
+            return True  # `tick` reads the object and leaves the invalid spec to the reconcile
+        return self.due(namespace, name, interval_s, self.clock())
+
     def forget(self, namespace: str, name: str) -> None:
         self.last_run.pop((namespace, name), None)
         self.history.pop((namespace, name), None)
@@ -290,13 +299,16 @@ async def tick(a: Autoscaling, client: k8s.KubeClient, executor: k8s.Executor, l
                name: str, spec: Mapping[str, Any], status: Optional[Mapping[str, Any]], reconcile: Reconcile
                ) -> Optional[autoscaler.ScalingDecision]:
     """One timer call for ModelService namespace/name (`spec`, `status`: as kopf last saw them,
-    to skip the disabled ones without a request). Returns the decision when one was made."""
+    to skip the disabled and the not yet due ones without a request). Returns the decision when
+    one was made."""
     if not (spec.get("autoscaling") or {}).get("enabled"):
         a.forget(namespace, name)
         if (status or {}).get("autoscaling") is not None:  # turned off: its last decision no longer holds
             async with lock:
                 await client.merge_patch(k8s.MODEL_SERVICES, namespace, name, {"status": {"autoscaling": None}},
                                          subresource="status")
+        return None
+    if not a.may_be_due(namespace, name, spec):
         return None
     body = await reads.model_service_body(client, namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):

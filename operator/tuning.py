@@ -1,7 +1,8 @@
 """The kopf side of the budget path: a timer per ModelService running the rollout guard and the tuner.
 
 Every `tick_s` kopf calls `tick` for each ModelService; the work runs when the object's
-`spec.tuning.interval` has passed since the last run. The last run is kept in the operator's
+`spec.tuning.interval` has passed since the last run (until then a tick makes no request,
+`Tuning.may_be_due`). The last run is kept in the operator's
 memory (`Tuning.last_run`) and exported as a metric, never written to status: status is
 written only when a condition or value changes (a restarted operator runs once at once). One run is
 a pipeline of small steps (docs/architecture.md, "The budget path"):
@@ -122,6 +123,19 @@ class Tuning:
 
     def last_run_at(self, namespace: str, name: str) -> Optional[float]:
         return self.last_run.get((namespace, name))
+
+    def may_be_due(self, namespace: str, name: str, spec: Mapping[str, Any]) -> bool:
+        """False when `spec.tuning.interval` (of kopf's cached spec) has not passed since the last
+        run: a tick that is not due reads nothing, so a short tick costs no API requests. `_due`
+        decides on a fresh read."""
+        last_run = self.last_run_at(namespace, name)
+        if last_run is None:
+            return True
+        try:
+            interval = parse_duration((spec.get("tuning") or {}).get("interval") or "60s")
+        except (ValueError, TypeError):
+            return True  # `_due` reads the object and leaves the invalid spec to the operator
+        return self.clock() - last_run >= interval
 
     def record_run(self, namespace: str, name: str, now: float, outcome: str) -> None:
         self.last_run[(namespace, name)] = now
@@ -684,7 +698,9 @@ def register(registry: kopf.OperatorRegistry, op: Any, *, tuning: Optional[Tunin
 
     @kopf.timer("tokenlane.dev", "v1alpha1", "modelservices", registry=registry, interval=t.tick_s,
                 initial_delay=t.tick_s, idle=None)
-    async def tuning_timer(namespace: str, name: str, **_: Any) -> None:
+    async def tuning_timer(namespace: str, name: str, spec: Any, **_: Any) -> None:
+        if not t.may_be_due(namespace, name, spec):
+            return
         try:
             await tick(t, namespace, name)
         except k8s.ApiError as exc:

@@ -230,8 +230,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The operator's timers check every tick whether a ModelService's spec.tuning.interval /
+# spec.autoscaling.interval has passed; the defaults (10 s, 5 s) would make every run of a test's
+# short intervals up to that late. A tick adds no decisions: a run still waits for its interval.
+TUNING_TICK_S = 1.0
+AUTOSCALING_TICK_S = 1.0
+
+
 class OperatorProcess:
-    """`tokenlane operator ARGS` as a subprocess, logging to a file, with its /metrics."""
+    """`tokenlane operator ARGS` as a subprocess, logging to a file, with its /metrics, and with
+    short timer ticks (TUNING_TICK_S, AUTOSCALING_TICK_S)."""
 
     def __init__(self, kubeconfig: Path, args: list[str], log_path: Path, pod_id: str = "tokenlane-operator-0"):
         self.args, self.log_path = args, log_path
@@ -239,7 +247,8 @@ class OperatorProcess:
         self._log = open(log_path, "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenlane.cli", "operator", *args, "--liveness", "",
-             "--metrics-port", str(self.metrics_port), "--log-format", "plain"],
+             "--metrics-port", str(self.metrics_port), "--log-format", "plain",
+             "--tuning-tick-seconds", str(TUNING_TICK_S), "--autoscaling-tick-seconds", str(AUTOSCALING_TICK_S)],
             cwd="/", stdout=self._log, stderr=subprocess.STDOUT, text=True,
             # POD_ID is kopf's peering identity; the Deployment sets it to the pod's name, so a
             # restarted container is the same peer and does not wait for its own stale keep-alive.

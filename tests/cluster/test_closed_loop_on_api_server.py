@@ -49,6 +49,10 @@ SA = "closed-loop-operator"
 SA_USER = f"system:serviceaccount:{NS}:{SA}"
 MODEL = "tiny"
 WINDOW_S = 15.0  # tuning window, cooldown and verification window: 30 interactive requests each
+# How often the tuner and the rollout guard run. Every decision waits for WINDOW_S of data
+# after the change it judges, whatever the interval; a short one only makes each run come
+# sooner after its window is complete (the operator's tick is shorter still: cluster_harness).
+INTERVAL_S = 2.0
 # A starved interactive request waits seconds; one with a free slot a step or two (tens of ms,
 # a few hundred on a loaded machine): the target sits far from both.
 TARGET_TTFT_MS = 1000.0
@@ -80,7 +84,7 @@ def model_service(prometheus_url: str) -> dict:
             "scheduler": {"maxActiveSequences": 8, "maxWaitingRequests": 64, "maxBatchedTokens": 512,
                           "prefillChunkSize": 128},
             "monitoring": {"serviceMonitor": False},
-            "tuning": {"enabled": True, "prometheusUrl": prometheus_url, "interval": "10s",
+            "tuning": {"enabled": True, "prometheusUrl": prometheus_url, "interval": f"{INTERVAL_S:.0f}s",
                        "window": f"{WINDOW_S:.0f}s", "cooldown": f"{WINDOW_S:.0f}s"},
             "rollout": {"verificationWindow": f"{WINDOW_S:.0f}s", "progressDeadline": "120s"},
         },

@@ -266,6 +266,12 @@ def tuning_runs(process: OperatorProcess) -> float:
                if line.startswith("tokenlane_operator_tuning_runs_total{") and 'modelservice="tiny"' in line)
 
 
+# The tuning interval and verification window of the hold test: the runs it counts and the
+# guard's promotion without metrics (after two windows) come that often; a hold decides the
+# same whatever the interval.
+HOLD_INTERVAL = "2s"
+
+
 def test_zero_writes_while_the_tuner_holds(samples: Cluster, operator: Run, kubelet):
     """Quiet status: with tuning on and nothing to change (here: Prometheus cannot be reached,
     so it holds), a tuning run writes nothing: no per-run timestamp in status, the hold's Event
@@ -278,9 +284,9 @@ def test_zero_writes_while_the_tuner_holds(samples: Cluster, operator: Run, kube
     samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--subresource=status", "--type=merge", "-p",
                     json.dumps({"status": {"overrides": override}}))
     samples.kubectl("-n", WORKLOAD_NS, "patch", "msvc", "tiny", "--type=merge", "-p",
-                    json.dumps({"spec": {"tuning": {"enabled": True, "interval": "10s",
+                    json.dumps({"spec": {"tuning": {"enabled": True, "interval": HOLD_INTERVAL,
                                                     "prometheusUrl": "http://127.0.0.1:9"},
-                                         "rollout": {"verificationWindow": "10s"}}}))
+                                         "rollout": {"verificationWindow": HOLD_INTERVAL}}}))
     try:
         wait_for(lambda: [l.get("maxBatchedTokens") for l in yaml.safe_load(
             samples.get("configmap", "tiny-config", WORKLOAD_NS)["data"]["runtime.yaml"])["lanes"]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import copy
 
+import operator_harness
 import pytest
 from operator_harness import NS, running_cluster, spec_writes  # tests/operator, put on sys.path by conftest
 
-from tokenlane.operator import k8s
+from tokenlane.operator import k8s, scaling
 from tokenlane.operator.autoscaler import FleetSample
+from tokenlane.operator.handlers import Operator
 
 AUTOSCALING = {"enabled": True, "prometheusUrl": "http://prometheus.invalid:9090", "minReplicas": 1,
                "maxReplicas": 3, "interval": "1s", "scaleDown": {"stabilizationWindow": "1h"}}
@@ -33,9 +35,18 @@ class FleetMetrics:
         return FleetSample(at=at, window_s=window_s, kv_usage=self.kv_usage)
 
 
+# The timer's tick (`tokenlane operator --autoscaling-tick-seconds`): a run comes at most one
+# tick after spec.autoscaling.interval (1 s) has passed; with the default 5 s tick each decision
+# waited up to 5 s.
+TICK_S = 0.2
+
+
 @pytest.fixture
-async def scaled(kmock):
+async def scaled(kmock, monkeypatch):
     metrics = FleetMetrics()
+    # The harness builds the Operator, and its timers take their ticks at registration.
+    monkeypatch.setattr(operator_harness, "Operator",
+                        lambda **kwargs: Operator(autoscaling=scaling.Autoscaling(tick_s=TICK_S), **kwargs))
 
     def use_test_metrics(registry, op):
         op.autoscaling.read_sample = metrics
