@@ -11,6 +11,7 @@ exception: the tuner then holds the budgets and says why.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from dataclasses import dataclass
@@ -121,6 +122,19 @@ class PrometheusClient:
             raise PrometheusError(f"expected an instant vector, got {data.get('resultType')!r}")
         return [Series(item.get("metric", {}), _number(item["value"][1])) for item in data.get("result", [])]
 
+    async def query_all(self, named: Mapping[str, str], at: float | None = None) -> dict[str, list[Series]]:
+        """Every query of `named` (name -> PromQL) at once, over one connection pool: the
+        injected client, else one opened for the batch (not one per query). The first
+        failure raises PrometheusError."""
+        if self._client is None:
+            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                return await PrometheusClient(self.url, timeout_s=self.timeout_s, client=client).query_all(named, at)
+        results = await asyncio.gather(*(self.query(promql, at) for promql in named.values()), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return dict(zip(named, results))
+
     async def read_sample(
         self,
         model: str,
@@ -132,9 +146,7 @@ class PrometheusClient:
     ) -> MetricSample:
         """All tuner inputs for one model over the window ending now (or at `at`)."""
         try:
-            results = {
-                name: await self.query(promql, at) for name, promql in queries(model, window_s, extra_matchers).items()
-            }
+            results = await self.query_all(queries(model, window_s, extra_matchers), at)
         except PrometheusError as exc:
             return MetricSample.unavailable(str(exc), window_s)
         return sample_from_results(results, window_s, lanes=lanes, at=at)

@@ -204,9 +204,8 @@ def _by_lane(results: Mapping[str, list[Series]], name: str) -> dict[str, float]
 async def read_prometheus(url: str, model: str, window_s: float, targets_s: Mapping[str, float], *,
                           namespace: Optional[str], at: float) -> FleetSample:
     """One sample from Prometheus; any failure is an unavailable sample (the decision holds)."""
-    client = PrometheusClient(url)
     try:
-        results = {name: await client.query(promql) for name, promql in queries(model, window_s, namespace).items()}
+        results = await PrometheusClient(url).query_all(queries(model, window_s, namespace))
     except PrometheusError as exc:
         return FleetSample.unavailable(at, str(exc))
     return fleet_sample(results, at, window_s, targets_s)

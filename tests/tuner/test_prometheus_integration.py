@@ -221,3 +221,28 @@ def test_bad_promql_is_reported_not_raised(stack):
 
     asyncio.run(go())
     assert set(queries("tiny", 30)) >= {"ttft_p95", "tpot_p95", "queue_delay_p95", "requests", "kv_usage"}
+
+
+def test_a_batch_of_queries_shares_one_client(stack, monkeypatch):
+    """read_sample's queries run at once over one connection pool, not one client each; a
+    bad query in the batch fails the batch."""
+    import httpx
+
+    from tokenlane.operator import prometheus
+    from tokenlane.operator.prometheus import PrometheusError
+
+    opened = []
+
+    class CountingClient(httpx.AsyncClient):
+        def __init__(self, *args, **kwargs):
+            opened.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(prometheus.httpx, "AsyncClient", CountingClient)
+    client = PrometheusClient(stack["prom"], timeout_s=5)
+    named = queries("tiny", 30)
+    results = asyncio.run(client.query_all(named))
+    assert list(results) == list(named) and opened == [1]
+    assert asyncio.run(client.query_all({"one": "vector(1)"}))["one"][0].value == 1.0
+    with pytest.raises(PrometheusError, match="bad_data"):
+        asyncio.run(client.query_all({"one": "vector(1)", "bad": "sum by (lane ("}))
