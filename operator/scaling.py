@@ -56,6 +56,11 @@ class AutoscalingSettings:
     window_s: float
 
 
+def autoscaling_interval_s(raw: Mapping[str, Any]) -> float:
+    """`spec.autoscaling.interval` in seconds (the CRD's default, 30s, when absent); ValueError if invalid."""
+    return parse_duration(raw.get("interval") or "30s")
+
+
 def settings_from_spec(spec: Mapping[str, Any]) -> Optional[AutoscalingSettings]:
     """The autoscaling settings of a (defaulted) ModelService spec; None when autoscaling is off.
     Raises ValueError naming the field, for a spec the API server would refuse."""
@@ -87,7 +92,7 @@ def settings_from_spec(spec: Mapping[str, Any]) -> Optional[AutoscalingSettings]
         )
     except ValueError as exc:
         raise ValueError(f"spec.autoscaling: {exc}") from None
-    return AutoscalingSettings(policy, raw["prometheusUrl"], parse_duration(raw.get("interval") or "30s"),
+    return AutoscalingSettings(policy, raw["prometheusUrl"], autoscaling_interval_s(raw),
                                parse_duration(raw.get("window") or "2m"))
 
 
@@ -267,7 +272,7 @@ class Autoscaling:
         """False when `spec.autoscaling.interval` (of kopf's cached spec) has not passed since the
         last run: a tick that is not due reads nothing. `tick` decides on a fresh read."""
         try:
-            interval_s = parse_duration((spec.get("autoscaling") or {}).get("interval") or "30s")
+            interval_s = autoscaling_interval_s(spec.get("autoscaling") or {})
         except (ValueError, TypeError):
             return True  # `tick` reads the object and leaves the invalid spec to the reconcile
         return self.due(namespace, name, interval_s, self.clock())

@@ -108,6 +108,11 @@ def _object_key(body: Mapping[str, Any]) -> tuple[str, str, str]:
     return str(body.get("kind", "")), str(meta.get("namespace", "")), str(meta.get("name", ""))
 
 
+def tuning_interval_s(spec: Mapping[str, Any]) -> float:
+    """`spec.tuning.interval` in seconds (the CRD's default, 60s, when absent); ValueError if invalid."""
+    return parse_duration((spec.get("tuning") or {}).get("interval") or "60s")
+
+
 @dataclass
 class Tuning:
     """What the timer needs besides the operator: a clock and a metrics reader (tests inject),
@@ -124,18 +129,21 @@ class Tuning:
     def last_run_at(self, namespace: str, name: str) -> Optional[float]:
         return self.last_run.get((namespace, name))
 
+    def interval_passed(self, namespace: str, name: str, interval_s: float, now: float) -> bool:
+        last_run = self.last_run_at(namespace, name)
+        return last_run is None or now - last_run >= interval_s
+
     def may_be_due(self, namespace: str, name: str, spec: Mapping[str, Any]) -> bool:
         """False when `spec.tuning.interval` (of kopf's cached spec) has not passed since the last
         run: a tick that is not due reads nothing, so a short tick costs no API requests. `_due`
         decides on a fresh read."""
-        last_run = self.last_run_at(namespace, name)
-        if last_run is None:
+        if self.last_run_at(namespace, name) is None:
             return True
         try:
-            interval = parse_duration((spec.get("tuning") or {}).get("interval") or "60s")
+            interval_s = tuning_interval_s(spec)
         except (ValueError, TypeError):
             return True  # `_due` reads the object and leaves the invalid spec to the operator
-        return self.clock() - last_run >= interval
+        return self.interval_passed(namespace, name, interval_s, self.clock())
 
     def record_run(self, namespace: str, name: str, now: float, outcome: str) -> None:
         self.last_run[(namespace, name)] = now
@@ -316,9 +324,7 @@ async def _due(t: Tuning, namespace: str, name: str) -> Optional[tuple[dict, Mod
     except ValueError:
         return None  # the operator reports the invalid spec
     now = t.clock()
-    interval = parse_duration((msvc.spec.get("tuning") or {}).get("interval") or "60s")
-    last_run = t.last_run_at(namespace, name)
-    if last_run is not None and now - last_run < interval:
+    if not t.interval_passed(namespace, name, tuning_interval_s(msvc.spec), now):
         return None
     return body, msvc, now
 
