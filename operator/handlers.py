@@ -46,6 +46,10 @@ GROUP, VERSION = "tokenlane.dev", "v1alpha1"
 RETRY_DELAY_S = 10.0
 TIMER_INTERVAL_S = 60.0
 SERVICE_MONITOR_CHECK_S = 300.0
+# kopf keeps the finalizer of a ModelService being deleted until each of its timers has returned,
+# and looks again only this often while one is still running (a tuning or autoscaling run waiting
+# on Prometheus or the API): kopf's default, 60 s, made `kubectl delete` hang a minute now and then.
+TIMER_EXIT_POLL_S = 1.0
 
 
 @dataclass
@@ -251,6 +255,7 @@ def register(registry: kopf.OperatorRegistry, op: Operator, *,
         settings.posting.level = logging.WARNING  # Events for warnings/errors from kopf itself; ours are explicit
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
+        settings.background.cancellation_polling = TIMER_EXIT_POLL_S
 
     if login is not None:
         @kopf.on.login(registry=registry)

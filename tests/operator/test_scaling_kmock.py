@@ -3,11 +3,14 @@ scales the shared pool's Deployment within the bounds, never writes spec, holds 
 go away, and gives the replicas back to spec.replicas when turned off. (The same on a real API
 server, with the scale subresource and managed fields: tests/cluster/test_fleet_on_api_server.py.)
 The fleet's metrics come from a reader the test sets: the fleet KV usage it returns drives
-the decisions."""
+the decisions. A ModelService deleted while a run waits on that reader is gone soon after the
+run returns (tests/cluster/test_deletion_on_api_server.py: the same on a real API server)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import logging
 
 import operator_harness
 import pytest
@@ -22,14 +25,20 @@ AUTOSCALING = {"enabled": True, "prometheusUrl": "http://prometheus.invalid:9090
 
 
 class FleetMetrics:
-    """The metrics reader of the autoscaling timer: KV usage as the test sets it, or none."""
+    """The metrics reader of the autoscaling timer: KV usage as the test sets it, or none; with
+    `hold` set, each read waits for that event (a Prometheus slow to answer)."""
 
     def __init__(self) -> None:
         self.kv_usage: float | None = 0.95  # x1.27 of the 0.75 target: one replica more per decision
         self.reads: list[str] = []
+        self.hold: asyncio.Event | None = None
+        self.holding = asyncio.Event()
 
     async def __call__(self, url, model, window_s, targets_s, *, namespace, at) -> FleetSample:
         self.reads.append(model)
+        if self.hold is not None:
+            self.holding.set()
+            await self.hold.wait()
         if self.kv_usage is None:
             return FleetSample.unavailable(at, "Prometheus is down (test)")
         return FleetSample(at=at, window_s=window_s, kv_usage=self.kv_usage)
@@ -96,3 +105,28 @@ async def test_timer_scales_the_deployment_and_never_the_spec(scaled, tiny_sampl
                           what="status.autoscaling dropped")
     await scaled.wait_for(lambda: scaled.obj("deployments", "tiny-router") is None, what="the router removed")
     assert spec_writes(kmock) == []
+
+
+async def test_deleted_mid_run_the_finalizer_goes_once_the_run_returns(scaled, tiny_samples, caplog):
+    """kopf keeps a ModelService's finalizer while one of its timers is running and looks again
+    only `settings.background.cancellation_polling` later (60 s by default): a `kubectl delete`
+    during a timer's run that then wrote nothing (metrics down: a quiet hold) hung a minute.
+    The run is held here, so that path is certain; the bound is about the hang, not speed
+    (normally well under a second)."""
+    caplog.set_level(logging.INFO, logger="tokenlane.operator")
+    msvc = copy.deepcopy(tiny_samples[0])
+    msvc["spec"].update(replicas=1, autoscaling=AUTOSCALING)
+    scaled.metrics.kv_usage = None  # metrics down: the first run writes the hold, later ones nothing
+    await scaled.create(msvc)
+    await scaled.wait_for(lambda: scaled.obj("modelservices", "tiny")["status"]["autoscaling"]["reason"]
+                          == "MetricsUnavailable", timeout=30, what="a hold on missing metrics")
+    scaled.metrics.hold = asyncio.Event()
+    await scaled.wait_for(scaled.metrics.holding.is_set, what="a run waiting on its metrics")
+    await scaled.delete("modelservices", "tiny")
+    await scaled.wait_for(lambda: any(f"ModelService {NS}/tiny deleted" in r.getMessage() for r in caplog.records),
+                          what="the delete handler done")
+    assert scaled.obj("modelservices", "tiny") is not None  # the finalizer waits for the run
+
+    scaled.metrics.hold.set()
+    await scaled.wait_for(lambda: scaled.obj("modelservices", "tiny") is None, timeout=20,
+                          what="the finalizer released once the run returned")
