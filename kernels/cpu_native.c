@@ -246,15 +246,17 @@ static inline float tl_hsum8(tl_v8 x) {
 }
 
 /* Asks for rows [t, t + count) of a block (the item's heads: `width` elements from `offset`)
- * to be brought into the cache: blocks sit at random places in the pool, so the hardware
- * prefetcher, which follows a stream within a page, misses the start of every block. */
-static inline void tl_prefetch_rows(const void *cache, int dtype, int64_t offset, int64_t c_tok,
-                                    int count, int64_t width) {
+ * to be brought into L2, one line in two (the core fetches a line's pair with it): blocks sit
+ * at random places in the pool, so the hardware prefetcher, which follows a stream within a
+ * page, misses the start of every block. Forced inline: GCC deems a function whose only effect
+ * is a prefetch free of side effects and deletes its calls. */
+static inline __attribute__((always_inline)) void tl_prefetch_rows(
+    const void *cache, int dtype, int64_t offset, int64_t c_tok, int count, int64_t width) {
     const int64_t size = dtype == TL_FLOAT32 ? 4 : 2;
     const char *base = (const char *)cache + offset * size;
     for (int t = 0; t < count; ++t)
-        for (int64_t byte = 0; byte < width * size; byte += 64)
-            __builtin_prefetch(base + t * c_tok * size + byte, 0, 3);
+        for (int64_t byte = 0; byte < width * size; byte += 128)
+            __builtin_prefetch(base + t * c_tok * size + byte, 0, 1);
 }
 
 /* One work item with the head size D (a multiple of 8) and the group size G known at compile

@@ -9,7 +9,10 @@ The test caches hold NaN in every block no sequence owns and in the table paddin
 
 from __future__ import annotations
 
+import platform
 import random
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -214,6 +217,18 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     assert cpu_native.available()
     assert (tmp_path / "native" / built[0]).stat().st_mtime_ns == mtime
     assert sorted(p.name for p in (tmp_path / "native").iterdir()) == built
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="needs objdump on x86-64")
+def test_the_built_kernel_keeps_its_prefetches():
+    """The decode kernel prefetches each next block of the scattered pool. GCC deleted every
+    call of the prefetch helper while it was an ordinary inline function (a function whose only
+    effect is a prefetch counts as free of side effects), silently."""
+    text = subprocess.run(["objdump", "-d", str(cpu_native._build())], capture_output=True, text=True,
+                          check=True).stdout
+    kept = "prefetch" in text
+    assert kept, "the built library has no prefetch instruction"
 
 
 def test_argmax_rows_matches_torch_including_ties_nan_and_inf():
