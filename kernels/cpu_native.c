@@ -9,13 +9,14 @@
  *   2. p[h][t] = exp(s[h][t] - max[h]) and their sum (a vectorizable exp, below);
  *   3. out[h] = sum_t p[h][t] V[t] / sum.
  * The cache may be float32, bfloat16 or float16; rows are widened to float32 as they are read,
- * and every sum is in float32. Items are handed out to `num_threads` threads (the caller's
- * and num_threads - 1 pthreads) through one atomic counter, in the caller's order (longest
- * contexts first balances the threads).
+ * and every sum is in float32. Items are handed out to `num_threads` threads (an OpenMP team
+ * of the caller's: under torch, torch's own pool; or, built without OpenMP, the caller and
+ * num_threads - 1 pthreads) through one atomic counter, in the caller's order (longest contexts
+ * first balances the threads).
  *
- * Built with -O3 -march=native -fopenmp-simd: `#pragma omp simd` lets the float reductions of
- * the generic path vectorize without -ffast-math (no OpenMP runtime is linked); the vector path
- * uses GCC vector extensions.
+ * Built with -O3 -march=native -fopenmp (or -fopenmp-simd -pthread): `#pragma omp simd` lets
+ * the float reductions of the generic path vectorize without -ffast-math; the vector path uses
+ * GCC vector extensions.
  *
  * Also here: `tl_argmax_rows`, greedy sampling's argmax, and `tl_write_kv`, the KV cache
  * write (a scatter of K/V rows to their cache slots).
@@ -479,6 +480,13 @@ int tl_paged_decode_attention(
         num_threads = items;
     if (num_threads > 256)
         num_threads = 256;
+#ifdef _OPENMP
+    /* The caller's OpenMP team: with torch in the process this is torch's own thread pool (one
+     * libgomp per process), awake and spinning after torch's last parallel op. Threads of our
+     * own would have to share the cores with those spinning workers. */
+#pragma omp parallel num_threads(num_threads)
+    tl_worker(&job);
+#else
     pthread_t threads[256];
     int started = 0;
     for (int i = 1; i < num_threads; ++i)
@@ -487,6 +495,7 @@ int tl_paged_decode_attention(
     tl_worker(&job);
     for (int i = 0; i < started; ++i)
         pthread_join(threads[i], NULL);
+#endif
     /* A worker that failed to allocate took no item; if every thread failed, nothing ran. */
     if (job.failed && __atomic_load_n(&job.next, __ATOMIC_RELAXED) < items)
         return TL_NO_MEMORY;

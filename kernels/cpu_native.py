@@ -33,7 +33,11 @@ log = logging.getLogger("tokenlane.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 CACHE_ENV = "TOKENLANE_CACHE_DIR"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
+# OpenMP: the kernel's threads are the caller's OpenMP team, i.e. torch's own pool (one libgomp
+# per process). Where the compiler has no OpenMP (e.g. clang without libomp), the fallback build
+# starts its own pthreads.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+FALLBACK_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 
 # The C kernel's cache dtype codes.
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -91,14 +95,21 @@ def _cpu_flags() -> str:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
     try:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
                                  timeout=30, check=True).stdout
     except FileNotFoundError:
         raise RuntimeError(f"no C compiler ({_compiler()!r} not found; set CC)") from None
+    try:
+        return _build_with(FLAGS, version)
+    except RuntimeError as exc:
+        log.info("native CPU kernels: no OpenMP build (%s); building with pthreads", exc)
+        return _build_with(FALLBACK_FLAGS, version)
+
+
+def _build_with(flags: tuple[str, ...], version: str) -> Path:
     key = hashlib.sha256(b"\0".join([
-        source, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
+        SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(), _cpu_flags().encode(),
     ])).hexdigest()[:16]
     errors = []
     for directory in (cache_dir() / "native", Path(tempfile.gettempdir()) / "tokenlane-native"):
@@ -115,7 +126,7 @@ def _build() -> Path:
             errors.append(f"{directory}: {exc}")
             continue
         try:
-            result = subprocess.run([_compiler(), *FLAGS, "-o", partial, str(SOURCE), "-lm"],
+            result = subprocess.run([_compiler(), *flags, "-o", partial, str(SOURCE), "-lm"],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 raise RuntimeError(f"{_compiler()} failed: {result.stderr.strip()[-2000:]}")

@@ -219,6 +219,39 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     assert sorted(p.name for p in (tmp_path / "native").iterdir()) == built
 
 
+def test_the_kernel_threads_are_the_callers_openmp_team():
+    """Built with OpenMP, the kernel runs on the caller's OpenMP team: with torch in the process,
+    torch's own thread pool (one libgomp mapped), not threads of its own that would share the
+    cores with torch's spinning workers."""
+    probe = subprocess.run([cpu_native._compiler(), "-fopenmp", "-x", "c", "-", "-o", "/dev/null"],
+                           input="int main(void) { return 0; }", capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this compiler has no OpenMP (the kernel uses its pthread fallback): {probe.stderr[-300:]}")
+    needed = subprocess.run(["ldd", str(cpu_native._build())], capture_output=True, text=True).stdout
+    assert "gomp" in needed
+    assert cpu_native.available()
+    maps = {line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line.split()[-1]}
+    assert len(maps) == 1, maps
+
+
+def test_without_openmp_the_pthread_build_gives_the_same_results(monkeypatch, tmp_path, kcase):
+    """A compiler that refuses -fopenmp: the build falls back to the kernel's own pthreads (the
+    launcher's other branch), with the same results on two threads."""
+    monkeypatch.setattr(cpu_native, "FLAGS", cpu_native.FLAGS + ("-fno-such-option-here",))
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
+    assert cpu_native.available(), cpu_native.load_error()
+    built = list((tmp_path / "native").iterdir())
+    assert len(built) == 1
+    assert "gomp" not in subprocess.run(["ldd", str(built[0])], capture_output=True, text=True).stdout
+    rng = random.Random(7)
+    shapes = [(rng.randint(16, 300), 1) for _ in range(32)]
+    case = kcase.build([c for c, _ in shapes], [q for _, q in shapes], num_heads=8,
+                       num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32)
+    check(run(case, threads=2), case, kcase)
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None or platform.machine() not in ("x86_64", "AMD64"),
                     reason="needs objdump on x86-64")
 def test_the_built_kernel_keeps_its_prefetches():
