@@ -137,8 +137,6 @@ class Tuning:
         """False when `spec.tuning.interval` (of kopf's cached spec) has not passed since the last
         run: a tick that is not due reads nothing, so a short tick costs no API requests. `_due`
         decides on a fresh read."""
-        if self.last_run_at(namespace, name) is None:
-            return True
         try:
             interval_s = tuning_interval_s(spec)
         except (ValueError, TypeError):
