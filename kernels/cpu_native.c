@@ -504,37 +504,70 @@ int tl_paged_decode_attention(
 
 /* Greedy sampling's argmax of each row of a float32 [rows, cols] matrix (row stride `stride`
  * elements), as torch.argmax: the first index of the largest value, and the first NaN if a
- * row has one (NaN compares above everything). Two passes per row (max, then its first
- * index) over a row that stays in cache between them. */
+ * row has one (NaN compares above everything). One vector pass per row; a row with a NaN
+ * is scanned again for its first one. */
 int tl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
     if (rows < 0 || cols <= 0)
         return TL_BAD_SHAPE;
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * stride;
-        tl_v8 maxv = tl_splat(-INFINITY);
-        tl_i8 nan = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t c = 0;
-        for (; c + 8 <= cols; c += 8) {
-            tl_v8 v;
-            memcpy(&v, row + c, sizeof v);
-            nan |= (tl_i8)(v != v);
-            maxv = tl_max8(v, maxv);
-        }
-        float best = -INFINITY;
+        float best = row[0];
+        int64_t index = 0, c = 0;
         int has_nan = 0;
-        for (int i = 0; i < 8; ++i) {
-            has_nan |= nan[i] != 0;
-            best = maxv[i] > best ? maxv[i] : best;
+        if (cols >= 32) {
+            /* One pass: each of 4 x 8 lanes keeps its largest value and where it first saw it
+             * (a strict > keeps the first of equal values); then the lanes' best, the lowest
+             * index among lanes that hold it. Four independent lane sets, so the compare and
+             * select chains overlap. (A second scalar pass for the index took 10x longer.) */
+            tl_v8 maxv[4];
+            tl_i8 at[4], where[4], nan = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int u = 0; u < 4; ++u) {
+                memcpy(&maxv[u], row + 8 * u, sizeof maxv[u]);
+                for (int i = 0; i < 8; ++i)
+                    at[u][i] = 8 * u + i;
+                where[u] = at[u];
+                nan |= (tl_i8)(maxv[u] != maxv[u]);
+            }
+            for (c = 32; c + 32 <= cols; c += 32) {
+                for (int u = 0; u < 4; ++u) {
+                    tl_v8 v;
+                    memcpy(&v, row + c + 8 * u, sizeof v);
+                    at[u] += 32;
+                    nan |= (tl_i8)(v != v);
+                    const tl_i8 greater = (tl_i8)(v > maxv[u]);
+                    maxv[u] = tl_select(greater, v, maxv[u]);
+                    where[u] = (where[u] & ~greater) | (at[u] & greater);
+                }
+            }
+            for (int i = 0; i < 8; ++i)
+                has_nan |= nan[i] != 0;
+            best = maxv[0][0];
+            index = where[0][0];
+            for (int u = 0; u < 4; ++u) {
+                for (int i = 0; i < 8; ++i) {
+                    if (maxv[u][i] > best || (maxv[u][i] == best && where[u][i] < index)) {
+                        best = maxv[u][i];
+                        index = where[u][i];
+                    }
+                }
+            }
+        } else {
+            c = 1;
+            has_nan = best != best;
         }
-        for (int64_t t = c; t < cols; ++t) {
+        for (int64_t t = c; t < cols; ++t) { /* the tail: later than every index above */
             has_nan |= row[t] != row[t];
-            best = row[t] > best ? row[t] : best;
-        }
-        int64_t index = 0;
-        for (int64_t t = 0; t < cols; ++t) {
-            if (has_nan ? row[t] != row[t] : row[t] == best) {
+            if (row[t] > best) {
+                best = row[t];
                 index = t;
-                break;
+            }
+        }
+        if (has_nan) { /* torch: the first NaN */
+            for (int64_t t = 0; t < cols; ++t) {
+                if (row[t] != row[t]) {
+                    index = t;
+                    break;
+                }
             }
         }
         out[r] = index;

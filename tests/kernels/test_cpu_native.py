@@ -279,6 +279,14 @@ def test_argmax_rows_matches_torch_including_ties_nan_and_inf():
     for batch in (x, odd, strided, x[:0]):
         assert torch.equal(cpu_native.argmax_rows(batch), batch.argmax(dim=-1)), batch.shape
         assert torch.equal(api.argmax_rows(batch), batch.argmax(dim=-1))
+    ties = torch.zeros(3, 40)
+    ties[0, [10, 18]] = 1.0  # the same 8-lane column: the first
+    ties[1, [18, 13]] = 1.0  # the later lane holds the earlier index
+    ties[2, [3, 35]] = 1.0  # the vector part and the tail
+    # Few distinct values, so every row has ties; every width from 1 to 70.
+    small = [torch.randint(-3, 3, (6, w), generator=gen).float() for w in range(1, 71)]
+    for batch in (ties, *small):
+        assert torch.equal(cpu_native.argmax_rows(batch), batch.argmax(dim=-1)), batch
     bf16 = x.to(torch.bfloat16)  # other dtypes take torch's own argmax
     assert torch.equal(api.argmax_rows(bf16), bf16.argmax(dim=-1))
     with pytest.raises(ValueError, match="float32 CPU matrix"):
