@@ -33,6 +33,7 @@ enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3 };
 
 #define TL_MAX_GROUP 64  /* query heads per KV head */
 #define TL_MAX_HEADS 256 /* query heads of one work item (the vector path) */
+#define TL_MAX_GROUP_FIXED 8 /* the largest G with a compiled vector path (TL_FIXED) */
 
 typedef struct {
     const float *q;           /* [T, Hq, D] */
@@ -365,18 +366,28 @@ static inline __attribute__((always_inline)) void tl_attend_fixed(
         if (next_m > 0)
             tl_prefetch_rows(j->v, dtype, (int64_t)table[b + 1] * j->c_block + (int64_t)h0 * c_head,
                              c_tok, next_m, width);
-        for (int t = 0; t < m; ++t) {
-            for (int h = 0; h < h1 - h0; ++h) {
+        /* One head at a time over the block (in L1 after the first head): its G x C sums
+         * stay in registers for the block's rows instead of a load and a store per row and
+         * vector. Each sum still adds the rows in order, so the result is unchanged. */
+        for (int h = 0; h < h1 - h0; ++h) {
+            tl_v8 a[TL_MAX_GROUP_FIXED * MAXC];
+            tl_v8 *acc_h = acc + h * G * C;
+            for (int x = 0; x < G * C; ++x)
+                a[x] = acc_h[x];
+            const float *sh = scores + (int64_t)h * G * len + t0;
+            for (int t = 0; t < m; ++t) {
                 const int64_t off = base + (int64_t)t * c_tok + h * c_head;
                 float p[G];
                 for (int g = 0; g < G; ++g)
-                    p[g] = scores[(int64_t)(h * G + g) * len + t0 + t];
+                    p[g] = sh[(int64_t)g * len + t];
                 for (int c = 0; c < C; ++c) {
                     const tl_v8 v = tl_load8(j->v, dtype, off + 8 * c);
                     for (int g = 0; g < G; ++g)
-                        acc[(h * G + g) * C + c] += p[g] * v;
+                        a[g * C + c] += p[g] * v;
                 }
             }
+            for (int x = 0; x < G * C; ++x)
+                acc_h[x] = a[x];
         }
     }
     for (int x = 0; x < heads; ++x) {
