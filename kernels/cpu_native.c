@@ -300,18 +300,24 @@ static inline __attribute__((always_inline)) void tl_attend_fixed(
             if (t < next_m)
                 tl_prefetch_rows(j->k, dtype, next + t * c_tok, c_tok, next_m - t < 8 ? next_m - t : 8, width);
             for (int h = 0; h < h1 - h0; ++h) {
+                /* Each K row is read (and widened) once for the G query heads that share it. */
+                tl_v8 dots[TL_MAX_GROUP_FIXED][8];
+                for (int u = 0; u < 8; ++u) {
+                    const int64_t off = base + (int64_t)(t + u) * c_tok + h * c_head;
+                    tl_v8 k[MAXC];
+                    for (int c = 0; c < C; ++c)
+                        k[c] = tl_load8(j->k, dtype, off + 8 * c);
+                    for (int g = 0; g < G; ++g) {
+                        const tl_v8 *qx = qv + (h * G + g) * C;
+                        tl_v8 sum = qx[0] * k[0];
+                        for (int c = 1; c < C; ++c)
+                            sum += qx[c] * k[c];
+                        dots[g][u] = sum;
+                    }
+                }
                 for (int g = 0; g < G; ++g) {
                     const int x = h * G + g;
-                    const tl_v8 *qx = qv + x * C;
-                    tl_v8 dots[8];
-                    for (int u = 0; u < 8; ++u) {
-                        const int64_t off = base + (int64_t)(t + u) * c_tok + h * c_head;
-                        tl_v8 sum = qx[0] * tl_load8(j->k, dtype, off);
-                        for (int c = 1; c < C; ++c)
-                            sum += qx[c] * tl_load8(j->k, dtype, off + 8 * c);
-                        dots[u] = sum;
-                    }
-                    const tl_v8 sc = tl_sum8x8(dots);
+                    const tl_v8 sc = tl_sum8x8(dots[g]);
                     memcpy(scores + (int64_t)x * len + t0 + t, &sc, sizeof sc);
                     maxv[x] = tl_max8(sc, maxv[x]);
                 }
