@@ -535,7 +535,8 @@ int tl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, i
             /* One pass: each of 4 x 8 lanes keeps its largest value and where it first saw it
              * (a strict > keeps the first of equal values); then the lanes' best, the lowest
              * index among lanes that hold it. Four independent lane sets, so the compare and
-             * select chains overlap. (A second scalar pass for the index took 10x longer.) */
+             * select chains overlap. (A max pass, then a scalar search for its first index,
+             * took 3.4x as long on [16, 32000].) */
             tl_v8 maxv[4];
             tl_i8 at[4], where[4], nan = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int u = 0; u < 4; ++u) {
