@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenlane.kernels import api as kernels
-from tokenlane.runtime.cpu_dense import prepack_linear
+from tokenlane.runtime.cpu_dense import detect_cpu_matmul_support, prepack_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -411,8 +411,8 @@ class CausalLM(nn.Module):
     ) -> "CausalLM":
         """`dtype` is the compute dtype. `weight_dtype` (default: `dtype`) is the model's own
         dtype: weights are rounded to it first, so a bf16 model computed in float32 on the CPU
-        (runtime/cpu_dense.py) keeps bf16 weights. `prepack`: on the CPU, large float32
-        linears (the LM head) run through oneDNN with prepacked weights."""
+        (runtime/cpu_dense.py) keeps bf16 weights. `prepack`: on the CPU, large linears run
+        through oneDNN with prepacked weights (`prepack_linears`)."""
         device = torch.device(device)
         hf_config = load_hf_config(path)
         args = model_args_from_hf(hf_config)
@@ -430,15 +430,17 @@ class CausalLM(nn.Module):
         return model.eval()
 
     def prepack_linears(self) -> None:
-        """Swap the large float32 linears for oneDNN-prepacked ones (runtime/cpu_dense.py). The
-        per-layer ones drop their dense weight; the LM head keeps it (the tied embedding)."""
-        self.lm_head = prepack_linear(self.lm_head)
+        """Swap the large linears (float32, and bf16 where the CPU multiplies it natively) for
+        oneDNN-prepacked ones (runtime/cpu_dense.py). The per-layer ones drop their dense
+        weight; the LM head keeps it (the tied embedding)."""
+        support = detect_cpu_matmul_support()
+        self.lm_head = prepack_linear(self.lm_head, support=support)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj = prepack_linear(attn.qkv_proj, keep_dense=False)
-            attn.o_proj = prepack_linear(attn.o_proj, keep_dense=False)
-            mlp.gate_up_proj = prepack_linear(mlp.gate_up_proj, keep_dense=False)
-            mlp.down_proj = prepack_linear(mlp.down_proj, keep_dense=False)
+            attn.qkv_proj = prepack_linear(attn.qkv_proj, keep_dense=False, support=support)
+            attn.o_proj = prepack_linear(attn.o_proj, keep_dense=False, support=support)
+            mlp.gate_up_proj = prepack_linear(mlp.gate_up_proj, keep_dense=False, support=support)
+            mlp.down_proj = prepack_linear(mlp.down_proj, keep_dense=False, support=support)
 
     @torch.no_grad()
     def round_weights(self, weight_dtype: torch.dtype) -> None:

@@ -123,12 +123,75 @@ def test_prepacked_linear_matches_f_linear(shape, with_bias, keep_dense):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_prepack_applies_to_large_float32_weights_only():
+def test_prepack_applies_to_large_weights_of_natively_multiplied_dtypes():
     assert can_prepack(_head_weight()) == torch.backends.mkldnn.is_available()
     small = nn.Linear(64, 128, bias=False)
     assert not can_prepack(small.weight) and prepack_linear(small) is small
     large_bf16 = nn.Linear(512, 4096, bias=False, dtype=BF16)
-    assert prepack_linear(large_bf16) is large_bf16
+    large_fp16 = nn.Linear(512, 4096, bias=False, dtype=FP16)
+    # bf16 only where the CPU multiplies it natively (else oneDNN converts it every call).
+    assert prepack_linear(large_bf16, support=AVX2) is large_bf16
+    assert prepack_linear(large_fp16, support=AMX_FP16) is large_fp16
+    assert cpu_dense.prepack_dtypes(AVX2) == (FP32,)
+    assert cpu_dense.prepack_dtypes(AVX512_BF16) == (FP32, BF16)
+    if torch.backends.mkldnn.is_available():
+        assert isinstance(prepack_linear(large_bf16, support=AVX512_BF16), PrepackedLinear)
+        # bf16 from 2^16 elements (F.linear reorders a bf16 weight on every call).
+        projection = nn.Linear(256, 256, bias=False, dtype=BF16)
+        assert can_prepack(projection.weight, AVX512_BF16)
+        assert not can_prepack(projection.weight.float(), AVX512_BF16)
+        assert not can_prepack(nn.Linear(256, 128, dtype=BF16).weight, AVX512_BF16)
+
+
+needs_native_bf16 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and cpu_dense.detect_cpu_matmul_support().bfloat16),
+    reason="this CPU has no native bf16 matmul (AVX512-BF16 or AMX), where bf16 weights are not prepacked",
+)
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("shape", [(1, 512), (2, 512), (16, 512), (64, 512), (300, 512), (3, 5, 512)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("keep_dense", [True, False])
+def test_prepacked_bf16_linear_is_bitwise_f_linear(shape, with_bias, keep_dense):
+    """The same oneDNN kernel F.linear uses for bf16, without the per-call weight reorder:
+    bitwise the same products, so greedy tokens cannot move."""
+    weight = _head_weight().to(BF16)
+    bias = torch.randn(weight.shape[0]).to(BF16) if with_bias else None
+    layer = PrepackedLinear(weight, bias, keep_dense=keep_dense)
+    assert not layer.dense_single_rows  # a bf16 row is faster packed
+    x = torch.randn(*shape).to(BF16)
+    with torch.inference_mode():
+        got, want = layer(x), F.linear(x, weight, bias)
+    assert got.dtype == BF16 and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+@needs_native_bf16
+def test_bf16_model_prepacks_its_linears_and_matches_unpacked(tiny_model_dir, monkeypatch):
+    """A bf16 model on a CPU with native bf16: every linear is packed, and the logits are the
+    unpacked model's bit for bit."""
+    monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS_BF16", 1)
+    packed = CausalLM.from_pretrained(tiny_model_dir, dtype=BF16)
+    plain = CausalLM.from_pretrained(tiny_model_dir, dtype=BF16, prepack=False)
+    assert isinstance(packed.lm_head, PrepackedLinear)
+    assert all(isinstance(layer.mlp.down_proj, PrepackedLinear) for layer in packed.layers)
+    torch.manual_seed(5)
+    ids = torch.randint(0, packed.args.vocab_size, (20,))
+    L = ids.numel()
+    shape = (2, 16, packed.args.num_kv_heads, packed.args.head_dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(L), block_tables=torch.zeros((0, 1), dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32), query_start_loc=torch.zeros(1, dtype=torch.int32),
+        num_paged_tokens=0, max_query_len=0, max_seq_len=0, fresh_query_lens=[L],
+        all_seq_lens=[L], all_query_lens=[L], backend="torch",
+    )
+    logits = [
+        model(ids, torch.arange(L), [(torch.zeros(shape, dtype=BF16), torch.zeros(shape, dtype=BF16))
+                                     for _ in model.layers], meta, torch.arange(L))
+        for model in (packed, plain)
+    ]
+    assert torch.equal(logits[0], logits[1])
 
 
 def _save_checkpoint(path: Path, tie: bool) -> Path:
