@@ -89,6 +89,19 @@ def paged_attention(
     )
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:
+    """`(x * rsqrt(mean(x^2, -1) + eps)) * weight` of a float32 [rows, cols] batch, a new tensor.
+    With the `native` backend one C call (kernels/cpu_native.py; the sum of squares in another
+    order than torch's, so equal up to the last bit) instead of six torch ops."""
+    if backend == "native":
+        from tokenlane.kernels import cpu_native
+
+        if cpu_native.can_rms_norm(x, weight) and cpu_native.available():
+            return cpu_native.rms_norm(x, weight, eps)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+    return h.mul_(weight)
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` of a [rows, vocab] batch, the same indices (greedy sampling's
     tie-break: the first maximum). On the CPU a float32 batch goes through the C kernel when it

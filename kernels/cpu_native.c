@@ -18,8 +18,8 @@
  * the float reductions of the generic path vectorize without -ffast-math; the vector path uses
  * GCC vector extensions.
  *
- * Also here: `tl_argmax_rows`, greedy sampling's argmax, and `tl_write_kv`, the KV cache
- * write (a scatter of K/V rows to their cache slots).
+ * Also here: `tl_argmax_rows`, greedy sampling's argmax, `tl_write_kv`, the KV cache
+ * write (a scatter of K/V rows to their cache slots), and `tl_rms_norm`, the float32 RMSNorm.
  */
 #include <float.h>
 #include <math.h>
@@ -656,5 +656,35 @@ int tl_write_kv(const void *k, const void *v, int src_dtype, int64_t s_tok, int6
             }
         }
     }
+    return TL_OK;
+}
+
+/* RMSNorm of each row of a float32 [rows, cols] matrix, as runtime/model.py's float32 RMSNorm
+ * computes it: out = (x * (1 / sqrt(mean(x^2) + eps))) * w, in that order. Only the sum of
+ * squares is added in another order than torch's reduction (so the result may differ from
+ * torch's in the last bit); the rest is the same float operations. One call instead of six
+ * torch ops per norm (pow, sum, div, add, rsqrt, two multiplies), nine norms per step. `out`
+ * may be `x` (same strides). Large batches (prefill) split their rows over the caller's
+ * OpenMP team; each row is computed the same way whichever thread takes it. */
+int tl_rms_norm(const float *x, int64_t rows, int64_t cols, int64_t x_stride, const float *w,
+                float eps, float *out, int64_t out_stride, int num_threads) {
+    if (rows < 0 || cols <= 0)
+        return TL_BAD_SHAPE;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows * cols >= (1 << 17))
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * out_stride;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < cols; ++i)
+            sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < cols; ++i)
+            o[i] = (xr[i] * inv) * w[i];
+    }
+    (void)num_threads;
     return TL_OK;
 }

@@ -149,6 +149,8 @@ class ModelExecutor:
         self.model = CausalLM.from_pretrained(
             model_path, dtype=self.compute_dtype, device=self.device, weight_dtype=self.dtype
         )
+        if self.backend == "native":
+            self.model.use_native_norms()
         self.args = self.model.args
         self.vocab_size = self.args.vocab_size
         self.eos_token_id: Optional[int] = self.args.eos_token_id

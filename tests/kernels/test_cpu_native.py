@@ -367,3 +367,48 @@ def test_kv_write_dispatch_and_refusals(monkeypatch):
     with pytest.raises(ValueError, match="past the cache"):
         cpu_native.write_kv_cache(key, value, kc, vc, bad)
     assert_same_bits(kc, before)  # nothing written
+
+
+# ------------------------------------------------------------------ RMSNorm
+
+def _torch_rms_norm(x, weight, eps):
+    """runtime/model.py's float32 RMSNorm (the torch path of kernels.api.rms_norm)."""
+    return api.rms_norm(x, weight, eps, backend="torch")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, cols", [(1, 256), (16, 256), (64, 4096), (2048, 256), (7, 13), (3, 1)])
+def test_rms_norm_matches_torch_and_float64(rows, cols, threads):
+    gen = torch.Generator().manual_seed(rows * 1000 + cols)
+    x = torch.randn(rows, cols, generator=gen) * 3
+    weight = torch.randn(cols, generator=gen)
+    torch.set_num_threads(threads)  # 2048 x 256 is split over the threads
+    try:
+        got = cpu_native.rms_norm(x, weight, 1e-5)
+        assert torch.equal(api.rms_norm(x, weight, 1e-5, backend="native"), got)
+    finally:
+        torch.set_num_threads(1)
+    want = _torch_rms_norm(x, weight, 1e-5)
+    # Only the sum of squares is added in another order: a few ulp of float32 at most.
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-7)
+    x64 = x.double()
+    exact = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_takes_strided_rows_and_refuses_what_it_cannot():
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(6, 80, generator=gen)
+    rows = base[::2, :64]  # a row stride other than the width
+    weight = torch.randn(64, generator=gen)
+    torch.testing.assert_close(cpu_native.rms_norm(rows, weight, 1e-6),
+                               _torch_rms_norm(rows, weight, 1e-6), rtol=4e-7, atol=1e-7)
+    assert cpu_native.rms_norm(base[:0, :64], weight, 1e-6).shape == (0, 64)
+    for x, w in [(rows.double(), weight), (rows, weight[:32]), (rows.t(), weight),
+                 (rows.to(torch.bfloat16), weight), (rows[None], weight)]:
+        assert not cpu_native.can_rms_norm(x, w)
+        with pytest.raises(ValueError, match="rms_norm needs"):
+            cpu_native.rms_norm(x, w, 1e-6)
+    # kernels.api falls back to torch for inputs the kernel does not take.
+    bf16 = rows.to(torch.bfloat16)
+    assert torch.equal(api.rms_norm(bf16, weight, 1e-6, backend="native"), _torch_rms_norm(bf16, weight, 1e-6))
