@@ -90,16 +90,25 @@ def paged_attention(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:
-    """`(x * rsqrt(mean(x^2, -1) + eps)) * weight` of a float32 [rows, cols] batch, a new tensor.
-    With the `native` backend one C call (kernels/cpu_native.py; the sum of squares in another
-    order than torch's, so equal up to the last bit) instead of six torch ops."""
+    """runtime/model.py's RMSNorm of a [rows, cols] batch, a new tensor in x's dtype. float32:
+    `(x * rsqrt(mean(x^2, -1) + eps)) * weight`; other dtypes as transformers' LlamaRMSNorm
+    (statistics in float32, `weight * normed.to(dtype)`). With the `native` backend, float32 and
+    bf16 batches take one C call (kernels/cpu_native.py; the sum of squares in another order
+    than torch's, so equal up to the last bit) instead of six to nine torch ops."""
     if backend == "native":
         from tokenlane.kernels import cpu_native
 
-        if cpu_native.can_rms_norm(x, weight) and cpu_native.available():
-            return cpu_native.rms_norm(x, weight, eps)
-    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
-    return h.mul_(weight)
+        out = cpu_native.try_rms_norm(x, weight, eps)
+        if out is not None:
+            return out
+    if x.dtype == torch.float32:
+        # The same ops without the dtype round trips, and in place where the tensor is ours.
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+        return h.mul_(weight)
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

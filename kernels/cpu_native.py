@@ -11,8 +11,8 @@ why once, and the engine keeps the torch path (kernels/cpu_attention.py).
 `paged_decode_attention` is the decode-attention launcher: it checks shapes, strides and
 dtypes, then runs every decode of a batch in one call. Results equal the torch reference up
 to float32 summation order (tests/kernels/test_cpu_native.py). `write_kv_cache` (the KV cache
-write, bit-exact with the torch one), `argmax_rows` (greedy sampling) and `rms_norm` (the
-float32 RMSNorm, equal to torch's up to summation order) are the others.
+write, bit-exact with the torch one), `argmax_rows` (greedy sampling) and `rms_norm` (RMSNorm in
+float32 or bf16, equal to torch's up to summation order) are the others.
 """
 
 from __future__ import annotations
@@ -168,34 +168,50 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     norm = lib.tl_rms_norm
     norm.restype = i32
-    norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, i32]  # x, rows, cols, stride, w, eps, out, stride, threads
+    norm.argtypes = [ptr, i64, i64, i64, ptr, i32, ctypes.c_float, ptr, i64, i32]  # x, rows, cols, stride, w, dtype, eps, out, stride, threads
     return lib
 
 
+_NORM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # _DTYPES' codes of the ones tl_rms_norm takes
+
+
 def can_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes these: a float32 CPU matrix [rows, cols] with a contiguous last
-    axis, and a contiguous float32 weight [cols]."""
+    """Whether `rms_norm` takes these: a float32 or bfloat16 CPU matrix [rows, cols] with a
+    contiguous last axis, and a contiguous weight [cols] of the same dtype."""
+    # Cheap attributes only: this runs before every norm of a step (2L + 1 per step).
     return (
-        x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
+        x.dtype in _NORM_DTYPES and x.is_cpu and x.dim() == 2 and x.stride(-1) == 1
         and x.shape[1] > 0
-        and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 1
+        and weight.dtype == x.dtype and weight.is_cpu and weight.dim() == 1
         and weight.shape[0] == x.shape[1] and weight.is_contiguous()
     )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """runtime/model.py's float32 RMSNorm of each row, `(x * rsqrt(mean(x^2) + eps)) * weight`,
-    in one C call (a new tensor): equal to torch's up to the order of the sum of squares."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"native CPU kernels are not available: {_load_error}")
-    if not can_rms_norm(x, weight):
-        raise ValueError(f"rms_norm needs a float32 CPU matrix with a contiguous last axis and a "
-                         f"float32 weight of its width, got x {x.dtype} {tuple(x.shape)} strides "
-                         f"{x.stride()} on {x.device}, weight {weight.dtype} {tuple(weight.shape)}")
-    out = torch.empty(x.shape, dtype=torch.float32)
+    """runtime/model.py's RMSNorm of each row in one C call (a new tensor): float32
+    `(x * rsqrt(mean(x^2) + eps)) * weight`; bfloat16 as transformers' LlamaRMSNorm (float32
+    statistics, `weight * normed.to(bf16)`). Equal to torch's up to the order of the sum of
+    squares."""
+    out = try_rms_norm(x, weight, eps)
+    if out is None:
+        if load() is None:
+            raise RuntimeError(f"native CPU kernels are not available: {_load_error}")
+        raise ValueError(f"rms_norm needs a float32 or bf16 CPU matrix with a contiguous last axis "
+                         f"and a weight of its dtype and width, got x {x.dtype} {tuple(x.shape)} "
+                         f"strides {x.stride()} on {x.device}, weight {weight.dtype} {tuple(weight.shape)}")
+    return out
+
+
+def try_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """`rms_norm`, or None where it does not apply (no kernel here, or inputs it does not
+    take): the per-norm entry point, with each check made once (a 16-row norm costs about
+    5 us here, mostly the call itself)."""
+    lib = _loaded if _loaded is not None else load()
+    if lib is None or not can_rms_norm(x, weight):
+        return None
+    out = torch.empty_like(x)
     code = lib.tl_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(),
-                           eps, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                           _NORM_DTYPES[x.dtype], eps, out.data_ptr(), out.stride(0), torch.get_num_threads())
     if code:
         raise RuntimeError(f"native RMSNorm failed: {_ERRORS.get(code, code)}")
     return out

@@ -258,18 +258,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        # `native`: the float32 norm in one C call (CausalLM.use_native_norms).
+        # `native`: float32 and bf16 norms in one C call (CausalLM.use_native_norms).
         self.backend = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:
-            # The same ops without the dtype round trips, and in place where the tensor is ours.
-            return kernels.rms_norm(x, self.weight, self.eps, backend=self.backend)
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
+        # transformers' LlamaRMSNorm: float32 statistics, `weight * normed.to(dtype)`.
+        return kernels.rms_norm(x, self.weight, self.eps, backend=self.backend)
 
 
 class Attention(nn.Module):
@@ -431,8 +425,8 @@ class CausalLM(nn.Module):
         return model.eval()
 
     def use_native_norms(self, enabled: bool = True) -> None:
-        """Float32 RMSNorms through the C kernel (kernels/cpu_native.py): one call instead of
-        six torch ops each, 2L + 1 norms per step. The executor turns it on with the native
+        """Float32 and bf16 RMSNorms through the C kernel (kernels/cpu_native.py): one call
+        instead of six to nine torch ops each, 2L + 1 norms per step. The executor turns it on with the native
         attention backend."""
         for module in self.modules():
             if isinstance(module, RMSNorm):

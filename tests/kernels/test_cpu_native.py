@@ -372,7 +372,7 @@ def test_kv_write_dispatch_and_refusals(monkeypatch):
 # ------------------------------------------------------------------ RMSNorm
 
 def _torch_rms_norm(x, weight, eps):
-    """runtime/model.py's float32 RMSNorm (the torch path of kernels.api.rms_norm)."""
+    """runtime/model.py's RMSNorm (the torch path of kernels.api.rms_norm)."""
     return api.rms_norm(x, weight, eps, backend="torch")
 
 
@@ -396,6 +396,31 @@ def test_rms_norm_matches_torch_and_float64(rows, cols, threads):
     torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, cols", [(1, 256), (16, 256), (64, 4096), (2048, 256), (7, 13)])
+def test_bf16_rms_norm_rounds_as_transformers(rows, cols, threads):
+    """bf16 as LlamaRMSNorm: float32 statistics, the normed row rounded to bf16, then times the
+    bf16 weight, rounded again. Where the float32 scale matches torch's to the bit, so does every
+    output; a last-bit difference in the sum of squares can move a value next to a rounding
+    boundary by one bf16 step, and no further."""
+    gen = torch.Generator().manual_seed(rows * 7 + cols)
+    x = (torch.randn(rows, cols, generator=gen) * 3).to(torch.bfloat16)
+    weight = torch.randn(cols, generator=gen).to(torch.bfloat16)
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_native.rms_norm(x, weight, 1e-6)
+    finally:
+        torch.set_num_threads(1)
+    want = _torch_rms_norm(x, weight, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    assert (got == want).float().mean() >= 0.99
+    # A row whose float32 sum of squares is exact in any order (small integers) is bitwise
+    # torch's.
+    ints = torch.randint(-8, 9, (rows, cols), generator=gen).to(torch.bfloat16)
+    assert torch.equal(cpu_native.rms_norm(ints, weight, 1e-6), _torch_rms_norm(ints, weight, 1e-6))
+
+
 def test_rms_norm_takes_strided_rows_and_refuses_what_it_cannot():
     gen = torch.Generator().manual_seed(1)
     base = torch.randn(6, 80, generator=gen)
@@ -404,11 +429,12 @@ def test_rms_norm_takes_strided_rows_and_refuses_what_it_cannot():
     torch.testing.assert_close(cpu_native.rms_norm(rows, weight, 1e-6),
                                _torch_rms_norm(rows, weight, 1e-6), rtol=4e-7, atol=1e-7)
     assert cpu_native.rms_norm(base[:0, :64], weight, 1e-6).shape == (0, 64)
-    for x, w in [(rows.double(), weight), (rows, weight[:32]), (rows.t(), weight),
-                 (rows.to(torch.bfloat16), weight), (rows[None], weight)]:
+    for x, w in [(rows.double(), weight.double()), (rows, weight[:32]), (rows.t(), weight),
+                 (rows.to(torch.bfloat16), weight), (rows.half(), weight.half()), (rows[None], weight)]:
         assert not cpu_native.can_rms_norm(x, w)
         with pytest.raises(ValueError, match="rms_norm needs"):
             cpu_native.rms_norm(x, w, 1e-6)
     # kernels.api falls back to torch for inputs the kernel does not take.
-    bf16 = rows.to(torch.bfloat16)
-    assert torch.equal(api.rms_norm(bf16, weight, 1e-6, backend="native"), _torch_rms_norm(bf16, weight, 1e-6))
+    half = rows.half()
+    assert torch.equal(api.rms_norm(half, weight.half(), 1e-6, backend="native"),
+                       _torch_rms_norm(half, weight.half(), 1e-6))
