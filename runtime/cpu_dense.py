@@ -19,10 +19,11 @@ head it is the embedding table, shared): a single float32 row there stays on MKL
 
 bfloat16 weights are prepacked too where the CPU multiplies bf16 natively (AVX512-BF16 or
 AMX: where `cpuComputeDtype: auto` keeps bf16). `F.linear` in bf16 already goes to oneDNN
-there, but reorders the weight on every call; the packed weight gives bitwise the same
-products (same kernel, same blocking) without it, single rows included: measured on a 2-core
-Zen 4 (AVX512-BF16), the 19M model's projections 1.1-1.8x and its LM head [16 x 256] x
-[256 x 32000] 2.2x (64 rows: 1.3x) faster. So bf16 weights are packed from 2^16 elements.
+there, but reorders the weight on every call; the packed weight gives the same products
+without it, single rows included (bitwise on a 2-core Zen 4 with AVX512-BF16; a CPU with AMX
+may block them otherwise). There the 19M model's projections ran 1.1-1.8x and its LM head
+[16 x 256] x [256 x 32000] 2.2x (64 rows: 1.3x) faster packed, so bf16 weights are packed
+from 2^16 elements.
 """
 
 from __future__ import annotations
