@@ -172,7 +172,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-_NORM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # _DTYPES' codes of the ones tl_rms_norm takes
+_NORM_DTYPES = {dtype: _DTYPES[dtype] for dtype in (torch.float32, torch.bfloat16)}  # what tl_rms_norm takes
 
 
 def can_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -6,7 +6,9 @@ the `safetensors` library. The math mirrors transformers' modeling code operatio
 operation (RMSNorm in float32, rotate-half RoPE, SwiGLU, residual adds in the model dtype),
 which is what lets the tests require token-for-token equality with `generate()`. On the
 CPU, `runtime/cpu_dense.py` picks the compute dtype (float32 for a bf16/fp16 model where the
-CPU has no native low-precision matmul) and runs the LM head through oneDNN.
+CPU has no native low-precision matmul) and runs the large linears through oneDNN on
+prepacked weights; with the native backend the RMSNorms are one C call each
+(`kernels.api.rms_norm`).
 
 Attention reads and writes the paged cache only through `tokenlane.kernels`
 (`write_kv_cache`, `paged_attention`) on a flat batch: all sequences' tokens of a step in
@@ -426,8 +428,8 @@ class CausalLM(nn.Module):
 
     def use_native_norms(self, enabled: bool = True) -> None:
         """Float32 and bf16 RMSNorms through the C kernel (kernels/cpu_native.py): one call
-        instead of six to nine torch ops each, 2L + 1 norms per step. The executor turns it on with the native
-        attention backend."""
+        instead of six to nine torch ops each, 2L + 1 norms per step. The executor turns it
+        on with the native attention backend."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.backend = "native" if enabled else "torch"
