@@ -401,8 +401,10 @@ def test_rms_norm_matches_torch_and_float64(rows, cols, threads):
 def test_bf16_rms_norm_rounds_as_transformers(rows, cols, threads):
     """bf16 as LlamaRMSNorm: float32 statistics, the normed row rounded to bf16, then times the
     bf16 weight, rounded again. Where the float32 scale matches torch's to the bit, so does every
-    output; a last-bit difference in the sum of squares can move a value next to a rounding
-    boundary by one bf16 step, and no further."""
+    output; a last-bit difference in the sum of squares can move a normed value next to a
+    rounding boundary by one bf16 step, and its product with the weight, rounded again, by at
+    most two (seen on an AVX-512 Xeon: 5 of [64, 4096] values one step apart, 0.995% relative
+    where the product sits at the bottom of its binade)."""
     gen = torch.Generator().manual_seed(rows * 7 + cols)
     x = (torch.randn(rows, cols, generator=gen) * 3).to(torch.bfloat16)
     weight = torch.randn(cols, generator=gen).to(torch.bfloat16)
@@ -413,7 +415,7 @@ def test_bf16_rms_norm_rounds_as_transformers(rows, cols, threads):
         torch.set_num_threads(1)
     want = _torch_rms_norm(x, weight, 1e-6)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-6)
     assert (got == want).float().mean() >= 0.99
     # A row whose float32 sum of squares is exact in any order (small integers) is bitwise
     # torch's.
