@@ -139,8 +139,32 @@ def test_prepack_applies_to_large_weights_of_natively_multiplied_dtypes():
         # bf16 from 2^16 elements (F.linear reorders a bf16 weight on every call).
         projection = nn.Linear(256, 256, bias=False, dtype=BF16)
         assert can_prepack(projection.weight, AVX512_BF16)
-        assert not can_prepack(projection.weight.float(), AVX512_BF16)
         assert not can_prepack(nn.Linear(256, 128, dtype=BF16).weight, AVX512_BF16)
+        # float32 from 2^16 elements too, keeping the dense weight for batches of few rows;
+        # from 2^18 the per-layer linears keep only the packed copy.
+        small = prepack_linear(nn.Linear(256, 256, bias=False), keep_dense=False, support=AVX2)
+        assert isinstance(small, PrepackedLinear) and small.weight is not None
+        assert small.dense_rows_below == cpu_dense.DENSE_ROWS_BELOW
+        large = prepack_linear(nn.Linear(512, 512, bias=False), keep_dense=False, support=AVX2)
+        assert isinstance(large, PrepackedLinear) and large.weight is None and large.dense_rows_below == 0
+        assert not can_prepack(nn.Linear(256, 128).weight, AVX2)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_prepacked_linear_multiplies_few_rows_dense(rows, with_bias):
+    """A small float32 weight: fewer than DENSE_ROWS_BELOW rows are F.linear itself (MKL's
+    products, bitwise), more go through the packed copy (equal up to summation order)."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(256, 512, bias=with_bias)
+    layer = prepack_linear(linear, keep_dense=False)
+    x = torch.randn(rows, 256)
+    with torch.inference_mode():
+        got, want = layer(x), F.linear(x, linear.weight, linear.bias)
+    if rows < cpu_dense.DENSE_ROWS_BELOW:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 needs_native_bf16 = pytest.mark.skipif(
@@ -238,14 +262,20 @@ def test_prepacked_head_logits_match_transformers(tmp_path, tie, one_torch_threa
 
 
 @needs_onednn
-def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS", 1)  # every linear of the tiny model qualifies
+@pytest.mark.parametrize("packed_only", [True, False])
+def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_dir, monkeypatch, packed_only):
+    # Every linear of the tiny model qualifies: large (packed only), or small (the dense weight
+    # kept for batches of fewer than DENSE_ROWS_BELOW rows, so both paths run here).
+    monkeypatch.setattr(cpu_dense, "SMALL_PREPACK_MIN_ELEMENTS", 1)
+    if packed_only:
+        monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS", 1)
     reqs = engine_requests(8, 1024, seed=21, max_len=40, max_new=(4, 12))
     engine = run_engine(tiny_model_dir, reqs, chunk=7, max_batched_tokens=40)
     model = engine.executor.model
     assert isinstance(model.lm_head, PrepackedLinear) and model.lm_head.weight is not None
     for layer in model.layers:
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        assert all(isinstance(m, PrepackedLinear) for m in linears)
         # Packed only: the dense per-layer weights are not held a second time.
-        assert all(isinstance(m, PrepackedLinear) and m.weight is None for m in linears)
+        assert all((m.weight is None) == packed_only for m in linears)
     assert_matches_hf(tiny_model_dir, reqs)
