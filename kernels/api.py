@@ -58,6 +58,21 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: st
     write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
 
+def rope_write_kv(qkv, num_heads, num_kv_heads, cos, sin_signed, key_cache, value_cache, slot_mapping,
+                  backend: str = "auto") -> bool:
+    """With the native backend, in one C call: RoPE on the query and key heads of `qkv`
+    `[T, (Hq + 2 Hkv) * D]` in place (`cos`, and `sin_signed` with its first half negated, are
+    `[T, D]`; bitwise runtime/model.py's `apply_rope_`), then `write_kv_cache` of its keys and
+    values. False, with nothing done, where it does not apply (another backend, dtype or
+    layout): the caller rotates with torch ops and calls `write_kv_cache`."""
+    if backend != "native" and resolve_backend(backend, qkv.device) != "native":
+        return False
+    from tokenlane.kernels import cpu_native
+
+    return cpu_native.try_rope_write_kv(qkv, num_heads, num_kv_heads, cos, sin_signed, key_cache,
+                                        value_cache, slot_mapping)
+
+
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
     out=None, backend: str = "auto", *, max_query_len: int | None = None,

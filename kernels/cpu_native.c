@@ -19,7 +19,8 @@
  * GCC vector extensions.
  *
  * Also here: `tl_argmax_rows`, greedy sampling's argmax, `tl_write_kv`, the KV cache
- * write (a scatter of K/V rows to their cache slots), and `tl_rms_norm`, RMSNorm (float32, bf16).
+ * write (a scatter of K/V rows to their cache slots), `tl_rope_write_kv`, RoPE on a layer's
+ * queries and keys then that write, and `tl_rms_norm`, RMSNorm (float32, bf16).
  */
 #include <float.h>
 #include <math.h>
@@ -661,6 +662,59 @@ int tl_write_kv(const void *k, const void *v, int src_dtype, int64_t s_tok, int6
     }
     return TL_OK;
 }
+
+/* runtime/model.py's `apply_rope_` on the query and key heads of one layer's qkv rows, in
+ * place, then the KV cache write of the rotated keys and the values (tl_write_kv): one call
+ * instead of five torch ops and a second call per layer. Row t of `qkv` (float32, row stride
+ * `s_tok` elements) holds hq query heads, then hkv key heads, then hkv value heads, of `d`
+ * elements each. `cos` and `sin` are float32 [n, d] (row stride `cs_tok`), `sin` with its first
+ * half negated (runtime/model.py's `signed_sin`), so that for each head x:
+ *   x[i] <- x[i] * cos[i] + x[(i + d/2) % d] * sin[i]
+ * computed as the torch ops compute it: both products rounded, then their sum (no fused
+ * multiply-add: the pragmas below keep GCC and clang from contracting), so the result is
+ * bitwise torch's. Returns TL_BAD_SHAPE with nothing changed when `d` is odd or a slot is past
+ * the cache, TL_BAD_DTYPE as tl_write_kv. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
+int tl_rope_write_kv(float *qkv, int64_t n, int64_t s_tok, const float *cos, const float *sin,
+                     int64_t cs_tok, int hq, int hkv, int d, void *k_cache, void *v_cache,
+                     int dtype, int64_t c_block, int64_t c_tok, int64_t c_head,
+                     const int64_t *slots, int block_size, int64_t num_slots) {
+    if (n < 0 || hq <= 0 || hkv <= 0 || d <= 0 || d % 2 || d > 1024 || block_size <= 0)
+        return TL_BAD_SHAPE;
+    if (dtype != TL_FLOAT32 && dtype != TL_BFLOAT16 && dtype != TL_FLOAT16)
+        return TL_BAD_DTYPE;
+#ifndef __FLT16_MAX__
+    if (dtype == TL_FLOAT16)
+        return TL_BAD_DTYPE;
+#endif
+    for (int64_t t = 0; t < n; ++t)
+        if (slots[t] >= num_slots)
+            return TL_BAD_SHAPE;
+    const int half = d / 2;
+    for (int64_t t = 0; t < n; ++t) {
+        const float *c = cos + t * cs_tok, *sn = sin + t * cs_tok;
+        for (int h = 0; h < hq + hkv; ++h) {
+            float *x = qkv + t * s_tok + (int64_t)h * d;
+            float rotated[1024];
+            memcpy(rotated, x + half, sizeof(float) * (size_t)half);
+            memcpy(rotated + half, x, sizeof(float) * (size_t)half);
+#pragma omp simd
+            for (int i = 0; i < d; ++i) {
+                const float a = x[i] * c[i];
+                const float b = rotated[i] * sn[i];
+                x[i] = a + b;
+            }
+        }
+    }
+    return tl_write_kv(qkv + (int64_t)hq * d, qkv + (int64_t)(hq + hkv) * d, TL_FLOAT32, s_tok, d,
+                       k_cache, v_cache, dtype, c_block, c_tok, c_head, slots, n, hkv, d,
+                       block_size, num_slots);
+}
+#pragma GCC pop_options
 
 static inline float tl_from_bf16(uint16_t b) {
     const uint32_t u = (uint32_t)b << 16;

@@ -11,8 +11,9 @@ why once, and the engine keeps the torch path (kernels/cpu_attention.py).
 `paged_decode_attention` is the decode-attention launcher: it checks shapes, strides and
 dtypes, then runs every decode of a batch in one call. Results equal the torch reference up
 to float32 summation order (tests/kernels/test_cpu_native.py). `write_kv_cache` (the KV cache
-write, bit-exact with the torch one), `argmax_rows` (greedy sampling) and `rms_norm` (RMSNorm in
-float32 or bf16, equal to torch's up to summation order) are the others.
+write, bit-exact with the torch one), `try_rope_write_kv` (RoPE on a layer's queries and keys,
+bitwise the torch ops', then that write), `argmax_rows` (greedy sampling) and `rms_norm`
+(RMSNorm in float32 or bf16, equal to torch's up to summation order) are the others.
 """
 
 from __future__ import annotations
@@ -166,6 +167,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, i64,  # slots, n
         i32, i32, i32, i64,  # hkv, d, block_size, num_slots
     ]
+    rope = lib.tl_rope_write_kv
+    rope.restype = i32
+    rope.argtypes = [
+        ptr, i64, i64,  # qkv, rows, row stride
+        ptr, ptr, i64,  # cos, signed sin, their row stride
+        i32, i32, i32,  # hq, hkv, d
+        ptr, ptr, i32, i64, i64, i64,  # k cache, v cache, dtype code, block/token/head strides
+        ptr, i32, i64,  # slots, block_size, num_slots
+    ]
     norm = lib.tl_rms_norm
     norm.restype = i32
     norm.argtypes = [ptr, i64, i64, i64, ptr, i32, ctypes.c_float, ptr, i64, i32]  # x, rows, cols, stride, w, dtype, eps, out, stride, threads
@@ -267,6 +277,53 @@ def write_kv_cache(
         raise ValueError(f"KV write: a slot is past the cache's {num_blocks * block_size} slots")
     if code:
         raise RuntimeError(f"native KV write failed: {_ERRORS.get(code, code)}")
+    return True
+
+
+def try_rope_write_kv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D] float32: queries, keys, values of each token
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,  # [T, D] float32
+    sin_signed: torch.Tensor,  # [T, D] float32, the first half negated (model.signed_sin)
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
+) -> bool:
+    """runtime/model.py's `apply_rope_` on the query and key heads of `qkv` in place (bitwise
+    the torch ops' result), then `write_kv_cache` of its keys and values, in one C call. False,
+    with nothing done, where it does not apply (no kernel here, other dtypes or layouts): the
+    caller then takes the torch ops. The per-layer entry point: cheap checks only."""
+    lib = _loaded if _loaded is not None else load()
+    if lib is None:
+        return False
+    t, width = qkv.shape if qkv.dim() == 2 else (0, 0)
+    num_blocks, block_size, hkv, d = key_cache.shape if key_cache.dim() == 4 else (0, 0, 0, 0)
+    if not (
+        qkv.dtype == torch.float32 and qkv.is_cpu and width == (num_heads + 2 * num_kv_heads) * d
+        and qkv.stride(1) == 1 and hkv == num_kv_heads and d % 2 == 0 and d <= 1024
+        and cos.dtype == torch.float32 and sin_signed.dtype == torch.float32
+        and cos.shape == sin_signed.shape == (t, d) and cos.stride() == sin_signed.stride()
+        and cos.stride(1) == 1 and cos.is_cpu and sin_signed.is_cpu
+        and key_cache.dtype in _DTYPES and key_cache.is_cpu and key_cache.stride(-1) == 1
+        and value_cache.dtype == key_cache.dtype and value_cache.shape == key_cache.shape
+        and value_cache.stride() == key_cache.stride()
+        and slot_mapping.dtype == torch.int64 and slot_mapping.is_cpu and slot_mapping.dim() == 1
+        and slot_mapping.numel() == t and slot_mapping.is_contiguous()
+    ):
+        return False
+    code = lib.tl_rope_write_kv(
+        qkv.data_ptr(), t, qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), cos.stride(0),
+        num_heads, hkv, d, key_cache.data_ptr(), value_cache.data_ptr(), _DTYPES[key_cache.dtype],
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        slot_mapping.data_ptr(), block_size, num_blocks * block_size,
+    )
+    if code == 1:  # a float16 cache in a build without float16
+        return False
+    if code == 3:
+        raise ValueError(f"KV write: a slot is past the cache's {num_blocks * block_size} slots")
+    if code:
+        raise RuntimeError(f"native RoPE + KV write failed: {_ERRORS.get(code, code)}")
     return True
 
 

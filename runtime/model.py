@@ -291,11 +291,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k are adjacent columns of qkv: one in-place rotation covers both heads' sets.
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        apply_rope_(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
+        if not kernels.rope_write_kv(qkv, self.num_heads, self.num_kv_heads, cos, sin, key_cache, value_cache,
+                                     meta.slot_mapping, backend=meta.backend):  # one C call on the CPU
+            apply_rope_(qk, cos, sin)
+            kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
 
         out = torch.empty((T, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         n_paged = meta.num_paged_tokens

@@ -369,6 +369,65 @@ def test_kv_write_dispatch_and_refusals(monkeypatch):
     assert_same_bits(kc, before)  # nothing written
 
 
+def _rope_case(cache_dtype, hq, hkv, d, num_tokens=23, block_size=16, num_blocks=5, seed=0):
+    """One layer's qkv rows, cos and signed sin of random positions (as runtime/model.py's
+    RotaryEmbedding and signed_sin make them), slots with one skipped, NaN-filled caches."""
+    from tokenlane.runtime.model import signed_sin
+
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen) * 3
+    positions = torch.randint(0, 5000, (num_tokens,), generator=gen).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * 1.25, emb.sin() * 1.25  # an attention_scaling, as llama3/yarn have
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[5] = -1
+    caches = [torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=cache_dtype) for _ in range(2)]
+    return qkv, cos, signed_sin(sin), caches, slots
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("hq, hkv, d", [(8, 4, 32), (4, 4, 64), (32, 8, 128), (6, 2, 10)])
+def test_rope_write_kv_is_bitwise_the_torch_ops(cache_dtype, hq, hkv, d):
+    """The fused C call gives the bits of runtime/model.py's apply_rope_ (two products, then
+    their sum: no fused multiply-add) and of the torch KV write, for the queries, the keys and
+    every cache element."""
+    from tokenlane.kernels.reference import write_kv_cache_ref
+    from tokenlane.runtime.model import apply_rope_
+
+    qkv, cos, sin, (kc, vc), slots = _rope_case(cache_dtype, hq, hkv, d)
+    want, want_k, want_v = qkv.clone(), kc.clone(), vc.clone()
+    t = qkv.shape[0]
+    apply_rope_(want[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+    write_kv_cache_ref(want[:, hq * d:(hq + hkv) * d].view(t, hkv, d), want[:, (hq + hkv) * d:].view(t, hkv, d),
+                       want_k, want_v, slots)
+    assert api.rope_write_kv(qkv, hq, hkv, cos, sin, kc, vc, slots, backend="native")
+    assert_same_bits(qkv, want)
+    assert_same_bits(kc, want_k)
+    assert_same_bits(vc, want_v)
+
+
+def test_rope_write_kv_refusals_leave_everything_as_it_was():
+    qkv, cos, sin, (kc, vc), slots = _rope_case(torch.float32, 8, 4, 32)
+    before = qkv.clone()
+    # Not the native backend, or inputs the C call does not take: False, nothing done.
+    assert not api.rope_write_kv(qkv, 8, 4, cos, sin, kc, vc, slots, backend="torch")
+    assert not api.rope_write_kv(qkv.double(), 8, 4, cos, sin, kc, vc, slots, backend="native")
+    assert not api.rope_write_kv(qkv, 8, 4, cos[:, :16], sin[:, :16], kc, vc, slots, backend="native")
+    assert not api.rope_write_kv(qkv, 6, 5, cos, sin, kc, vc, slots, backend="native")  # Hkv != cache's
+    assert not api.rope_write_kv(qkv, 8, 4, cos, sin, kc, vc, slots.int(), backend="native")
+    assert not api.rope_write_kv(qkv[:, :-1], 8, 4, cos, sin, kc, vc, slots, backend="native")
+    assert_same_bits(qkv, before)
+    assert bool(kc.isnan().all()) and bool(vc.isnan().all())
+    bad = slots.clone()
+    bad[-1] = kc.shape[0] * kc.shape[1]  # one past the last slot: refused before anything changes
+    with pytest.raises(ValueError, match="past the cache"):
+        api.rope_write_kv(qkv, 8, 4, cos, sin, kc, vc, bad, backend="native")
+    assert_same_bits(qkv, before)
+    assert bool(kc.isnan().all())
+
+
 # ------------------------------------------------------------------ RMSNorm
 
 def _torch_rms_norm(x, weight, eps):
