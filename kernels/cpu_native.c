@@ -526,10 +526,15 @@ int tl_paged_decode_attention(
 /* Greedy sampling's argmax of each row of a float32 [rows, cols] matrix (row stride `stride`
  * elements), as torch.argmax: the first index of the largest value, and the first NaN if a
  * row has one (NaN compares above everything). One vector pass per row; a row with a NaN
- * is scanned again for its first one. */
-int tl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
+ * is scanned again for its first one. A large batch splits its rows over `num_threads` of the
+ * caller's OpenMP team (each row is found the same way whichever thread takes it). */
+int tl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out,
+                   int num_threads) {
     if (rows < 0 || cols <= 0)
         return TL_BAD_SHAPE;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows > 1 && rows * cols >= (1 << 18))
+#endif
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * stride;
         float best = row[0];
@@ -594,6 +599,7 @@ int tl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, i
         }
         out[r] = index;
     }
+    (void)num_threads;
     return TL_OK;
 }
 

@@ -158,7 +158,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     argmax = lib.tl_argmax_rows
     argmax.restype = i32
-    argmax.argtypes = [ptr, i64, i64, i64, ptr]  # x, rows, cols, row stride, out
+    argmax.argtypes = [ptr, i64, i64, i64, ptr, i32]  # x, rows, cols, row stride, out, threads
     write = lib.tl_write_kv
     write.restype = i32
     write.argtypes = [
@@ -240,7 +240,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.shape[1] == 0:
         raise ValueError("argmax_rows of an empty row")
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    code = lib.tl_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    code = lib.tl_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                              torch.get_num_threads())
     if code:
         raise RuntimeError(f"native argmax failed: {_ERRORS.get(code, code)}")
     return out

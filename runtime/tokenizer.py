@@ -12,7 +12,7 @@ merge spaces across token boundaries, never produce garbage or duplicated text.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 # How many tokens before the unread ones are re-decoded for context (vLLM uses 5).
 _CONTEXT_TOKENS = 5
@@ -59,6 +59,27 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True)
 
 
+def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """`ids -> text` as `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`.
+    For a fast (Rust-backed) tokenizer whose class keeps transformers' own decoding, that is
+    the Rust tokenizer's `decode` itself, called directly: transformers' wrapper around it (a
+    conversion of the ids, the keyword handling) took about twice as long as the decode (1.6
+    against 4.7 us for 6 tokens), twice per streamed token."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers is a runtime dependency
+        PreTrainedTokenizerFast = PreTrainedTokenizerBase = None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode
+            and backend is not None and hasattr(backend, "decode")):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
     """Streaming text of one request's output tokens.
 
@@ -75,17 +96,11 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = text_decoder(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0  # start of the re-decoded window
         self.read_offset = len(self.token_ids)  # tokens before this were already emitted
         self.text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         delta = ""

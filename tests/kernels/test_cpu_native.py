@@ -264,7 +264,9 @@ def test_the_built_kernel_keeps_its_prefetches():
     assert kept, "the built library has no prefetch instruction"
 
 
-def test_argmax_rows_matches_torch_including_ties_nan_and_inf():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_matches_torch_including_ties_nan_and_inf(threads):
+    torch.set_num_threads(threads)  # [9, 32000] is split over the threads
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 32000, generator=gen)
     x[0, [10, 20]] = x[0].max() + 1  # a tie: the first index wins

@@ -12,6 +12,7 @@ from tokenlane.runtime.tokenizer import (
     encode_prompt,
     find_stop_string,
     load_tokenizer,
+    text_decoder,
 )
 
 TEXTS = [
@@ -96,3 +97,25 @@ def test_invalid_bytes_do_not_grow_the_window(tok):
         detok.add_tokens([lone[0]])
     assert len(detok.token_ids) - detok.prefix_offset < 12
     assert detok.text.count("\ufffd") >= 40
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_decoder_is_the_tokenizers_decode(tok, skip_special_tokens):
+    """The direct Rust decode (taken for this fast tokenizer) gives what transformers' decode
+    gives, special tokens included or skipped; a tokenizer class with a decode of its own keeps
+    it."""
+    decode = text_decoder(tok, skip_special_tokens)
+    assert "backend" in decode.__code__.co_freevars  # the direct path
+    rng = random.Random(1)
+    for _ in range(100):
+        ids = [rng.randrange(0, len(tok)) for _ in range(rng.randint(0, 12))]
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=skip_special_tokens,
+                                         clean_up_tokenization_spaces=False)
+
+    class Shouting(type(tok)):
+        def decode(self, ids, **kwargs):
+            return super().decode(ids, **kwargs).upper()
+
+    loud = Shouting(tokenizer_object=tok.backend_tokenizer)
+    ids = tok.encode("quiet words", add_special_tokens=False)
+    assert text_decoder(loud, skip_special_tokens)(ids) == "QUIET WORDS"
