@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import atexit
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -157,6 +158,18 @@ def end_process(code: int) -> None:
     os._exit(code)
 
 
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive after start-up (torch, transformers, the
+    model, FastAPI's routes: a few hundred thousand) into the collector's permanent generation.
+    Python's cyclic collector holds the GIL while it runs, and a full collection walks every
+    tracked object: a served run of 16 streams spent about a quarter of the event loop's time
+    in collections that came back every few hundred milliseconds (113 ms for a full one of this
+    heap), with the step thread waiting for the GIL. Objects made while serving are collected
+    as before. vLLM's engine core does the same."""
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> int:
     """`tokenlane serve`; the exit status. A served run ends the process itself
     (`end_process`) unless `exit_when_served` is False; a refused start returns 1 or 2."""
@@ -196,6 +209,7 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, lifespan="on")
     server = GracefulServer(uv_config, app.state.tokenlane)
+    freeze_startup_heap()
     server.run()
     code = 0 if async_engine.healthy or app.state.tokenlane.draining else 1
     log.info("shutdown complete; exit %d", code)
