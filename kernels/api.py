@@ -40,6 +40,21 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def fresh_prefill_through_cache(backend: str, device: torch.device, head_dim: int, group: int) -> bool:
+    """Whether `paged_attention` should get prefill chunks without cached context too (their
+    keys read back from the cache, where the model writes them first): the Triton kernels and
+    the native C prefill kernel (head sizes 32 and 64) take them. Otherwise the model sends
+    such chunks straight to SDPA over their fresh keys (runtime/model.py)."""
+    resolved = resolve_backend(backend, device)
+    if resolved == "triton":
+        return True
+    if resolved == "native":
+        from tokenlane.kernels import cpu_native
+
+        return cpu_native.prefill_supported(head_dim, group)
+    return False
+
+
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto") -> None:
     """Scatter K/V `[T, Hkv, D]` into the paged caches at `slot_mapping` (< 0 = skip)."""
     resolved = resolve_backend(backend, key.device)

@@ -156,6 +156,21 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         i32,  # threads
         i64, i64, i64,  # rows of q / out, rows of block_tables, cache blocks (bounds)
     ]
+    prefill = lib.tl_paged_prefill_attention
+    prefill.restype = i32
+    prefill.argtypes = [
+        ptr, i64, i64,  # q, its token and head strides
+        ptr, ptr, i32,  # k cache, v cache, dtype code
+        i64, i64, i64,  # cache block, token and head strides
+        ptr, i64,  # block tables, row stride
+        ptr, ptr, ptr, ptr, i32,  # q_starts, q_lens, ctx_lens, seqs, n
+        i32, i32, i32, i32, ctypes.c_float,  # hq, hkv, d, block_size, scale
+        ptr, i64, i64,  # out, its token and head strides
+        i32,  # threads
+        i64, i64, i64,  # rows of q / out, rows of block_tables, cache blocks (bounds)
+    ]
+    lib.tl_prefill_supported.restype = i32
+    lib.tl_prefill_supported.argtypes = [i32, i32]
     argmax = lib.tl_argmax_rows
     argmax.restype = i32
     argmax.argtypes = [ptr, i64, i64, i64, ptr, i32]  # x, rows, cols, row stride, out, threads
@@ -344,6 +359,81 @@ def can_write_kv(key, value, key_cache, value_cache, slot_mapping) -> bool:
         and slot_mapping.is_contiguous() and slot_mapping.numel() == key.shape[0]
         and slot_mapping.device.type == "cpu"
     )
+
+
+def prefill_supported(head_dim: int, group: int) -> bool:
+    """Whether `paged_prefill_attention` takes this head size and query heads per KV head
+    (head sizes 32 and 64; 1, 2, 4 or 8 query heads per KV head)."""
+    lib = load()
+    return lib is not None and bool(lib.tl_prefill_supported(head_dim, group))
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, Hq, D] float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32 | bfloat16 | float16
+    value_cache: torch.Tensor,  # same shape, dtype and strides as key_cache
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    q_starts: torch.Tensor,  # [n] int32: first query (= output) row of each chunk
+    q_lens: torch.Tensor,  # [n] int32: query rows of each chunk
+    ctx_lens: torch.Tensor,  # [n] int32: context length of each chunk, its own tokens included
+    seqs: torch.Tensor,  # [n] int32: block-table row of each chunk
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D] float32
+    num_threads: int = 1,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks over their paged context (kernels/cpu_native.c,
+    "prefill chunks"): out rows [q_starts[i], q_starts[i] + q_lens[i]) for each chunk i, its
+    query row r at position ctx_lens[i] - q_lens[i] + r. The other rows of `out` are left as
+    they are. Every index is bound-checked in C before any is followed (ValueError, nothing
+    written)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU attention is not available: {_load_error}")
+    t, hq, d = query.shape
+    num_blocks, block_size, hkv, dk = key_cache.shape
+    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value cache {tuple(value_cache.shape)}/{value_cache.stride()} must match "
+                         f"the key cache {tuple(key_cache.shape)}/{key_cache.stride()}")
+    if dk != d or out.shape != query.shape:
+        raise ValueError(f"head size / output shape mismatch: query {tuple(query.shape)}, "
+                         f"cache {tuple(key_cache.shape)}, out {tuple(out.shape)}")
+    if hq % hkv or not lib.tl_prefill_supported(d, hq // hkv):
+        raise ValueError(f"prefill attention takes head sizes 32 and 64 and 1, 2, 4 or 8 query heads "
+                         f"per KV head, got head size {d}, {hq} query heads, {hkv} KV heads")
+    if query.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError(f"query and out must be float32, got {query.dtype} and {out.dtype}")
+    if key_cache.dtype not in _DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"cache dtype must be one of {list(_DTYPES)}, got {key_cache.dtype}")
+    for name, tensor in (("query", query), ("out", out), ("key_cache", key_cache)):
+        if tensor.device.type != "cpu" or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be a CPU tensor with a contiguous last axis")
+    index = (q_starts, q_lens, ctx_lens, seqs)
+    if any(x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous() for x in index) or \
+            len({x.numel() for x in index}) != 1:
+        raise ValueError("q_starts, q_lens, ctx_lens and seqs must be contiguous int32 vectors of one length")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be int32 with a contiguous last axis")
+    n = q_lens.numel()
+    if n == 0:
+        return out
+    code = lib.tl_paged_prefill_attention(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPES[key_cache.dtype],
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.data_ptr(), block_tables.stride(0),
+        q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), seqs.data_ptr(), n,
+        hq, hkv, d, block_size, float(scale),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        max(1, int(num_threads)),
+        t, block_tables.shape[0], num_blocks,
+    )
+    if code == 3:
+        raise ValueError("native CPU prefill attention: a row, sequence, length or block number is out "
+                         f"of range (rows < {t}, sequences < {block_tables.shape[0]}, blocks < {num_blocks}, "
+                         "1 <= query length <= context length)")
+    if code:
+        raise RuntimeError(f"native CPU prefill attention failed: {_ERRORS.get(code, code)}")
+    return out
 
 
 def paged_decode_attention(

@@ -132,8 +132,9 @@ class BatchInputBuilder:
         self.block_size = block_size
         self.device = torch.device(device)
         self.backend = backend
-        # With the torch backend a prefill chunk without cached context (start == 0) skips
-        # the paged cache (model.py): such chunks go last, outside the block tables.
+        # Where the attention kernels do not take prefill chunks without cached context
+        # (start == 0; kernels.api.fresh_prefill_through_cache), they skip the paged cache
+        # (model.py): such chunks go last, outside the block tables.
         self.sdpa_fresh_prefill = sdpa_fresh_prefill
         self.block_tables = PersistentBlockTables(-(-max_model_len // block_size))
 

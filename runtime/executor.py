@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from tokenlane.kernels.api import resolve_backend
+from tokenlane.kernels.api import fresh_prefill_through_cache, resolve_backend
 from tokenlane.runtime.batch_inputs import BatchInputBuilder, chunk_token_ids
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.cpu_dense import select_compute_dtype
@@ -182,9 +182,12 @@ class ModelExecutor:
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers()  # structured output: a matcher per constrained request
         # The flat batch of each step (runtime/batch_inputs.py): fresh prefills go straight to
-        # SDPA with the torch backend, so they come last and skip the block tables.
+        # SDPA where the attention kernels do not take them (the torch path, and head sizes the
+        # native prefill kernel lacks), so they come last and skip the block tables.
+        through_cache = fresh_prefill_through_cache(self.backend, self.device, self.args.head_dim,
+                                                    self.args.num_heads // self.args.num_kv_heads)
         self.inputs = BatchInputBuilder(self.block_size, self.max_model_len, self.device, self.backend,
-                                        sdpa_fresh_prefill=self.backend in ("torch", "native"))
+                                        sdpa_fresh_prefill=not through_cache)
         # engine.cudaGraphs: decode steps replay graphs recorded here (runtime/cuda_graphs.py).
         self.decode_runner = make_decode_runner(
             config.engine.cuda_graphs, self.model, self.kv_caches, block_size=self.block_size,

@@ -1,8 +1,8 @@
-"""kernels/cpu_native.c (the CPU `backend="native"` decode kernel) against the float64 dense
-reference and the torch reference: head sizes on the vector path (32, 64, 128) and off it
-(16, 80), GQA ratios 1-8 and one outside the fixed set (3), block sizes 1-32, float32 /
-bfloat16 / float16 caches, one and two threads, thousands of blocks; plus the launcher's
-checks and the build's fallback when there is no compiler.
+"""kernels/cpu_native.c (the CPU `backend="native"` decode and prefill kernels) against the
+float64 dense reference and the torch reference: head sizes on the vector path (32, 64, 128)
+and off it (16, 80), GQA ratios 1-8 and one outside the fixed set (3), block sizes 1-32,
+float32 / bfloat16 / float16 caches, one and two threads, thousands of blocks; plus the
+launchers' checks and the build's fallback when there is no compiler.
 
 The test caches hold NaN in every block no sequence owns and in the table padding
 (tests/kernels/conftest.py), so a read past a sequence's context shows up as NaN."""
@@ -129,6 +129,69 @@ def test_large_pool_and_long_tables(kcase):
                        spare_blocks=0, poison_cache=False)
     assert case.block_tables.shape[1] > 600
     check(run(case, threads=2), case, kcase)
+
+
+# (context length, query length) of prefill chunks: fresh ones (equal), chunks with cached
+# context, lengths around the kernel's row tile (8 or 16 rows) and its key chunk, two rows.
+PREFILL = [(130, 130), (700, 40), (2, 2), (33, 17), (16, 16), (95, 31), (64, 1), (300, 9)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_prefill_chunks_match_dense_reference(kcase, monkeypatch, group, head_dim, cache_dtype, threads):
+    """Prefill chunks of the shapes the C prefill kernel takes go through it in one call (a
+    decode in the batch keeps the decode kernel), against float64 dense causal attention."""
+    calls = []
+    prefill = cpu_native.paged_prefill_attention
+    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **k: calls.append(1) or prefill(*a, **k))
+    shapes = PREFILL[:]
+    rng = random.Random(group * 100 + head_dim)
+    rng.shuffle(shapes)
+    case = kcase.build([c for c, _ in shapes], [q for _, q in shapes], num_heads=2 * group,
+                       num_kv_heads=2, head_dim=head_dim, block_size=rng.choice([1, 8, 16, 32]),
+                       dtype=cache_dtype, seed=group + head_dim)
+    check(run(case, threads), case, kcase)
+    assert calls == [1]
+
+
+def test_prefill_kernel_refuses_what_it_does_not_take(kcase, monkeypatch):
+    """Head sizes other than 32 and 64 (and GQA ratios other than 1, 2, 4, 8) stay on the torch
+    path; the launcher refuses them and bad indices (nothing written)."""
+    assert cpu_native.prefill_supported(32, 2) and cpu_native.prefill_supported(64, 8)
+    assert not cpu_native.prefill_supported(128, 4) and not cpu_native.prefill_supported(32, 3)
+    assert not cpu_native.prefill_supported(16, 2)
+    calls = []
+    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **k: calls.append(1))
+    case = kcase.build([90, 20], [30, 20], num_heads=8, num_kv_heads=2, head_dim=128)
+    check(run(case), case, kcase)  # the torch path
+    assert calls == []
+    monkeypatch.undo()
+    case = kcase.build([90, 20], [30, 20], num_heads=4, num_kv_heads=2, head_dim=32)
+    out = case.query.new_full(case.query.shape, float("nan"))
+    i32 = lambda values: torch.tensor(values, dtype=torch.int32)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables)
+    with pytest.raises(ValueError, match="head sizes 32 and 64"):
+        wide = kcase.build([20], [20], num_heads=2, num_kv_heads=2, head_dim=128)
+        cpu_native.paged_prefill_attention(wide.query, wide.key_cache, wide.value_cache, wide.block_tables,
+                                           i32([0]), i32([20]), i32([20]), i32([0]), 0.1, wide.query.clone())
+    bad = [
+        (i32([0, 30]), i32([30, 20]), i32([90, 19]), i32([0, 1])),  # context shorter than the chunk
+        (i32([0, 40]), i32([30, 20]), i32([90, 20]), i32([0, 1])),  # rows past the batch
+        (i32([0, 30]), i32([30, 20]), i32([90, 20]), i32([0, 2])),  # no such block-table row
+        (i32([0, 30]), i32([30, 20]), i32([9000, 20]), i32([0, 1])),  # past the table
+    ]
+    for starts, lens, ctx, seqs in bad:
+        with pytest.raises(ValueError, match="out of range"):
+            cpu_native.paged_prefill_attention(*args, starts, lens, ctx, seqs, case.scale, out)
+        assert torch.isnan(out).all()
+    table = case.block_tables.clone()
+    table[0, 0] = case.key_cache.shape[0]  # a block past the cache
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_native.paged_prefill_attention(case.query, case.key_cache, case.value_cache, table, i32([0, 30]),
+                                           i32([30, 20]), i32([90, 20]), i32([0, 1]), case.scale, out)
+    assert torch.isnan(out).all()
 
 
 def test_api_dispatch_and_backend_resolution(kcase):

@@ -484,3 +484,28 @@ def test_mistral_sharded_checkpoint_matches_hf(tmp_path):
     )
     got = model(ids, torch.arange(n), caches, meta, torch.arange(n))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(32, 4, 2), (64, 4, 1)])
+@pytest.mark.parametrize("chunk", [7, 512])
+def test_engine_native_prefill_kernel_matches_hf(tmp_path, monkeypatch, head_dim, num_heads, num_kv_heads, chunk):
+    """Head sizes the native C prefill kernel takes: every prefill chunk, the fresh ones
+    included (chunk 512: whole prompts), goes through it, and greedy tokens still equal
+    transformers'."""
+    from tokenlane.kernels import cpu_native
+    from tokenlane.runtime.tiny_model import make_tiny_model
+
+    if not cpu_native.available():
+        pytest.skip(f"no C compiler here: {cpu_native.load_error()}")
+    path = make_tiny_model(tmp_path / "m", hidden_size=head_dim * num_heads, intermediate_size=192,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads)
+    calls = []
+    prefill = cpu_native.paged_prefill_attention
+    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **k: calls.append(a[5].tolist()) or prefill(*a, **k))
+    reqs = engine_requests(10, 1024, seed=31, min_len=8, max_len=70, max_new=(4, 16))
+    engine = run_engine(path, reqs, chunk=chunk, max_batched_tokens=max(40, chunk))
+    assert engine.executor.inputs.sdpa_fresh_prefill is False
+    assert calls, "no prefill chunk went through the native prefill kernel"
+    if chunk == 512:  # whole prompts in one chunk: fresh prefills through the cache too
+        assert any(max(q_lens) >= 8 for q_lens in calls)
+    assert_matches_hf(path, reqs)
