@@ -28,7 +28,11 @@ keeps at most --concurrency requests in flight. One cell is a dtype and a concur
 Per dtype and pair, a fresh `tokenlane serve` (its defaults, the dtype, --set overrides) runs
 the workload at each concurrency in turn and stops, then a fresh peer does the same: tokenlane,
 peer, tokenlane, peer... (one start per server and pair: vLLM CPU compiles for minutes at
-start-up). Each run gets one untimed warm-up request first. Per request: TTFT (sent -> first
+start-up). With --interleave both servers start once per dtype and stay up (an idle server
+takes no CPU), and each pair runs every concurrency against one server, then the other, the
+order flipped every pair: runs seconds apart instead of a server's whole life apart, which is
+what a host whose speed drifts over tens of seconds needs. Each run gets one untimed warm-up
+request first. Per request: TTFT (sent -> first
 streamed token), TPOT ((last - first token) / (tokens - 1)), output tokens/s; per run: output
 tokens/s (all output tokens / first send -> last token), TPOT p50, TTFT p50 and p99. Per cell:
 the median of each server's runs and the ratios tokenlane / peer. On the first float32 run of
@@ -203,6 +207,7 @@ def default_thread_env() -> dict[str, str]:
 class Run:
     server: str
     pair: int
+    concurrency: int
     startup_s: float
     wall_s: float
     output_tokens: int
@@ -267,27 +272,58 @@ async def drive(url: str, planned: list[PlannedRequest], concurrency: int, reque
     return list(records), wall, outputs
 
 
+def one_run(server: ServerProcess, name: str, pair: int, startup_s: float, planned, concurrency: int,
+            request_timeout_s: float, greedy: list[PlannedRequest]) -> "Run":
+    """The workload once against a running server, at one concurrency (and the greedy probes,
+    if any, after it)."""
+    records, wall, outputs = asyncio.run(drive(server.url, planned, concurrency, request_timeout_s, greedy))
+    return Run(
+        server=name, pair=pair, concurrency=concurrency, startup_s=startup_s, wall_s=wall,
+        output_tokens=sum(r.output_tokens for r in records),
+        metrics=run_metrics(records, wall),
+        failed_requests=sum(1 for r in records if r.outcome != OK or r.output_tokens != r.max_tokens),
+        requests=[request_row(r) for r in records], greedy=outputs if greedy else None,
+        server_log=str(server.log_path),
+    )
+
+
 def run_server(server: ServerProcess, name: str, pair: int, planned, concurrencies: list[int],
                request_timeout_s: float, greedy: list[PlannedRequest]) -> list["Run"]:
     """Start `server` once and run the workload at each concurrency in turn (one Run each).
 
     One start per server and pair keeps the table affordable: vLLM CPU spends minutes compiling
     at start-up. The greedy probes ride on the first run only."""
-    runs = []
     t0 = time.monotonic()
     with server:
         startup = time.monotonic() - t0
-        for i, concurrency in enumerate(concurrencies):
-            records, wall, outputs = asyncio.run(
-                drive(server.url, planned, concurrency, request_timeout_s, greedy if i == 0 else []))
-            runs.append(Run(
-                server=name, pair=pair, startup_s=startup, wall_s=wall,
-                output_tokens=sum(r.output_tokens for r in records),
-                metrics=run_metrics(records, wall),
-                failed_requests=sum(1 for r in records if r.outcome != OK or r.output_tokens != r.max_tokens),
-                requests=[request_row(r) for r in records], greedy=outputs if i == 0 else None,
-                server_log=str(server.log_path),
-            ))
+        return [one_run(server, name, pair, startup, planned, concurrency, request_timeout_s, greedy if i == 0 else [])
+                for i, concurrency in enumerate(concurrencies)]
+
+
+def run_interleaved(servers: dict[str, ServerProcess], pairs: int, planned, concurrencies: list[int],
+                    request_timeout_s: float, greedy: dict[str, list[PlannedRequest]]) -> list["Run"]:
+    """Both servers up at once (an idle one takes no CPU), then each concurrency's workload
+    against one, then the other, pair after pair, the order flipped every pair: runs seconds
+    apart instead of a server's whole life apart, for a host whose speed drifts over tens of
+    seconds. The greedy probes ride on each server's first run."""
+    runs: list[Run] = []
+    startup: dict[str, float] = {}
+    try:
+        for name, server in servers.items():
+            t0 = time.monotonic()
+            server.start()
+            startup[name] = time.monotonic() - t0
+        names = list(servers)
+        for pair in range(1, pairs + 1):
+            order = names if pair % 2 else names[::-1]
+            for concurrency in concurrencies:
+                for name in order:
+                    probes = greedy.pop(name, [])
+                    runs.append(one_run(servers[name], name, pair, startup[name], planned, concurrency,
+                                        request_timeout_s, probes))
+    finally:
+        for server in servers.values():
+            server.stop()
     return runs
 
 
@@ -425,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", type=_dtype_list, default=["bfloat16", "float32"], help="default bfloat16,float32")
     p.add_argument("--concurrency", type=_int_list, default=[16, 64], help="default 16,64")
     p.add_argument("--pairs", type=int, default=3, help="runs of each server per cell (default 3)")
+    p.add_argument("--interleave", action="store_true",
+                   help="start both servers once per dtype and alternate them run by run (the order "
+                        "flipped every pair), instead of a fresh server process per pair")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=_range, default=(16, 512), metavar="MIN:MAX")
     p.add_argument("--max-tokens", type=_range, default=(8, 128), metavar="MIN:MAX")
@@ -482,6 +521,23 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{sum(p.max_tokens for p in planned)} output tokens; peer: {shlex.join(argv_template)}", flush=True)
     for dtype in args.dtype:
         row = [c for c in cells if c.dtype == dtype]
+        if args.interleave:
+            servers = {
+                TOKENLANE: ServerProcess(tokenlane_config(model, dtype, args.overrides), workdir, f"{dtype}-{TOKENLANE}",
+                                         env=thread_env, ready_timeout_s=args.ready_timeout, stop_timeout_s=60.0),
+                peer: PeerServer(argv_template, workdir, f"{dtype}-{peer}", model=model, dtype=dtype, env=peer_env,
+                                 ready_timeout_s=args.ready_timeout),
+            }
+            probes = {name: greedy_probes for name in servers if dtype == "float32" and name not in greedy_outputs}
+            print(f"{dtype}: {TOKENLANE} and {peer} up at once, {args.pairs} interleaved pairs at concurrency "
+                  f"{args.concurrency} ...", file=sys.stderr, flush=True)
+            for run in run_interleaved(servers, args.pairs, planned, args.concurrency, args.request_timeout, probes):
+                if run.greedy is not None:
+                    greedy_outputs[run.server] = run.greedy
+                next(c for c in row if c.concurrency == run.concurrency).runs.append(run)
+            for cell in row:
+                print(format_cell(cell, peer), flush=True)
+            continue
         for pair in range(1, args.pairs + 1):
             for name in (TOKENLANE, peer):
                 stem = f"{dtype}-p{pair}-{name}"
@@ -519,7 +575,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "temperature": 0.0},
             "servers": {TOKENLANE: {"overrides": args.overrides, "env": thread_env},
                         peer: {"argv": argv_template, "env": peer_env}},
-            "order": "per dtype and pair: tokenlane, then the peer, each a fresh server process that runs every concurrency in turn",
+            "order": ("per dtype: both servers up at once; per pair and concurrency one run of each, the order "
+                      "flipped every pair" if args.interleave else
+                      "per dtype and pair: tokenlane, then the peer, each a fresh server process that runs every "
+                      "concurrency in turn"),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report_doc(cells, peer, meta, greedy), indent=2) + "\n")

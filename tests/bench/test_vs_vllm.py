@@ -54,10 +54,36 @@ def test_end_to_end_with_tokenlane_as_the_peer(tiny_model_dir, tmp_path, monkeyp
     assert "float32, concurrency 2 (1 pair; medians)" in printed and "greedy float32 outputs" in printed
 
 
+def test_interleaved_runs_alternate_two_servers_started_once(tiny_model_dir, tmp_path, monkeypatch):
+    """--interleave: both servers start once per dtype; every pair runs each concurrency
+    against both, the order flipped every pair; the greedy probes ride on each server's
+    first run."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "vs.json"
+    code = vs_vllm.main([
+        "--peer-command", PEER_COMMAND, "--peer-name", "other", "--model", str(tiny_model_dir),
+        "--workdir", str(tmp_path / "work"), "--dtype", "float32", "--concurrency", "1,2", "--pairs", "2",
+        "--interleave", "--num-requests", "2", "--prompt-tokens", "8:16", "--max-tokens", "2:4",
+        "--greedy-requests", "1", "--request-timeout", "60", "--json", str(out),
+    ])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert "flipped every pair" in doc["order"]
+    runs = [r for c in doc["cells"] for r in c["runs"]]
+    for cell in doc["cells"]:
+        assert [(r["server"], r["pair"]) for r in cell["runs"]] == [
+            ("tokenlane", 1), ("other", 1), ("other", 2), ("tokenlane", 2)]
+        assert all(r["concurrency"] == cell["concurrency"] and r["failed_requests"] == 0 for r in cell["runs"])
+    for name in ("tokenlane", "other"):
+        assert len({r["startup_s"] for r in runs if r["server"] == name}) == 1  # one start each
+        assert sum(r["greedy"] is not None for r in runs if r["server"] == name) == 1
+    assert (doc["greedy_check"]["requests"], doc["greedy_check"]["mismatched"]) == (1, 0)
+
+
 def _run(server: str, pair: int, tok_s: float, tpot: float) -> vs_vllm.Run:
     metrics = {"output_tokens_per_s": tok_s, "tpot_p50_s": tpot, "ttft_p50_s": 0.1, "ttft_p99_s": None}
-    return vs_vllm.Run(server=server, pair=pair, startup_s=1.0, wall_s=1.0, output_tokens=10, metrics=metrics,
-                       failed_requests=0, requests=[])
+    return vs_vllm.Run(server=server, pair=pair, concurrency=16, startup_s=1.0, wall_s=1.0, output_tokens=10,
+                       metrics=metrics, failed_requests=0, requests=[])
 
 
 def test_cell_medians_and_ratios_come_from_each_servers_runs():
