@@ -15,10 +15,10 @@ into its blocked layout runs them 1.2-3x faster (AVX2 host, 2 threads: the LM he
 elements keep only the packed copy (no second copy of the weights in memory; a single row
 measured within 10% of MKL for weights larger than the caches). Smaller float32 ones (from
 2^16 elements: the projections of a model with a hidden size of a few hundred) keep both and
-pick by batch: on two threads MKL multiplied 16-48 rows 2-3x slower than oneDNN (2-core Xeon,
-[16 x 256] x [256 x 512]: 92 against 43 us; [16 x 688] x [688 x 256]: 127 against 47 us) but
-1-12 rows 2-3x faster (a oneDNN call costs about 30 us there), so fewer than
-`DENSE_ROWS_BELOW` rows go to MKL. The LM head keeps its dense weight too (for a tied
+pick by batch: on two threads MKL multiplied 16-56 rows 1.3-3x slower than oneDNN (2-core Xeon,
+[16 x 256] x [256 x 512]: 92 against 43 us; [16 x 688] x [688 x 256]: 127 against 47 us), but
+1-12 rows 2-3x faster (a oneDNN call costs about 30 us there) and 64 rows or more 1.1-1.7x
+faster, so only batches of `PACKED_ROWS` rows go to oneDNN. The LM head keeps its dense weight too (for a tied
 head it is the embedding table, shared), but multiplies packed as well, single rows included:
 on a 2-core Zen 4, MKL's matrix-vector product of one row with a [32000 x 256] float32 head
 took 5.3 ms against 0.9 ms packed (1.3-2.7x for hidden sizes 512-4096), and a one-sequence
@@ -47,9 +47,9 @@ from tokenlane.runtime.config import CPU_COMPUTE_DTYPES
 # Weights with at least this many elements (1 MiB in float32) get a oneDNN-prepacked copy.
 PREPACK_MIN_ELEMENTS = 1 << 18
 # float32 weights from this many elements up to PREPACK_MIN_ELEMENTS get one too, next to their
-# dense weight, which multiplies batches of fewer than DENSE_ROWS_BELOW rows (see above).
+# dense weight, which multiplies the batches whose row count is outside PACKED_ROWS (see above).
 SMALL_PREPACK_MIN_ELEMENTS = 1 << 16
-DENSE_ROWS_BELOW = 16
+PACKED_ROWS = range(16, 64)
 # bf16 weights from a quarter of that: F.linear reorders a bf16 weight on every call, so even
 # a [256 x 256] projection ran 1.1-1.3x faster packed (AVX512-BF16 host, 1-256 rows).
 PREPACK_MIN_ELEMENTS_BF16 = 1 << 16
@@ -140,18 +140,18 @@ class PrepackedLinear(nn.Module):
 
     `keep_dense`: hold the dense weight too (shared, not copied: for a tied LM head it is the
     embedding table). Without it (the per-layer linears) only the packed copy is held:
-    `weight` is None. Inputs of fewer than `dense_rows_below` rows multiply the dense weight
-    (F.linear, MKL); the others, by default every input, the packed copy.
+    `weight` is None. With `packed_rows`, inputs whose row count is outside it multiply the
+    dense weight (F.linear, MKL); without, every input multiplies the packed copy.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, keep_dense: bool = True,
-                 dense_rows_below: int = 0):
+                 packed_rows: Optional[range] = None):
         super().__init__()
         assert weight.dim() == 2 and weight.device.type == "cpu", "PrepackedLinear needs a 2-D CPU weight"
-        assert keep_dense or not dense_rows_below, "multiplying dense needs the dense weight"
+        assert keep_dense or packed_rows is None, "multiplying dense needs the dense weight"
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.dense_rows_below = dense_rows_below
+        self.packed_rows = packed_rows
         # An opaque oneDNN tensor: a plain attribute, not a parameter (no state_dict entry).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
         if keep_dense:
@@ -160,26 +160,26 @@ class PrepackedLinear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < self.dense_rows_below * self.in_features:
+        if self.packed_rows is not None and x.numel() // self.in_features not in self.packed_rows:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
+        rows = "all" if self.packed_rows is None else f"{self.packed_rows.start}-{self.packed_rows.stop - 1}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, dense_copy={self.weight is not None}, "
-                f"dense_rows_below={self.dense_rows_below}")
+                f"bias={self.bias is not None}, dense_copy={self.weight is not None}, packed_rows={rows}")
 
 
 def prepack_linear(
     linear: nn.Linear, *, keep_dense: bool = True, support: Optional[CpuMatmulSupport] = None
 ) -> nn.Module:
     """`linear` itself when prepacking does not apply, else its prepacked replacement. A float32
-    weight below PREPACK_MIN_ELEMENTS keeps its dense copy too, for batches of few rows."""
+    weight below PREPACK_MIN_ELEMENTS keeps its dense copy too, for batches outside PACKED_ROWS."""
     if not can_prepack(linear.weight, support):
         return linear
     bias = None if linear.bias is None else linear.bias.detach()
     if linear.weight.dtype == torch.float32 and linear.weight.numel() < PREPACK_MIN_ELEMENTS:
-        return PrepackedLinear(linear.weight, bias, keep_dense=True, dense_rows_below=DENSE_ROWS_BELOW)
+        return PrepackedLinear(linear.weight, bias, keep_dense=True, packed_rows=PACKED_ROWS)
     return PrepackedLinear(linear.weight, bias, keep_dense=keep_dense)
 
 

@@ -144,25 +144,29 @@ def test_prepack_applies_to_large_weights_of_natively_multiplied_dtypes():
         # from 2^18 the per-layer linears keep only the packed copy.
         small = prepack_linear(nn.Linear(256, 256, bias=False), keep_dense=False, support=AVX2)
         assert isinstance(small, PrepackedLinear) and small.weight is not None
-        assert small.dense_rows_below == cpu_dense.DENSE_ROWS_BELOW
+        assert small.packed_rows == cpu_dense.PACKED_ROWS
         large = prepack_linear(nn.Linear(512, 512, bias=False), keep_dense=False, support=AVX2)
-        assert isinstance(large, PrepackedLinear) and large.weight is None and large.dense_rows_below == 0
+        assert isinstance(large, PrepackedLinear) and large.weight is None and large.packed_rows is None
         assert not can_prepack(nn.Linear(256, 128).weight, AVX2)
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 64])
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 63, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_prepacked_linear_multiplies_few_rows_dense(rows, with_bias):
-    """A small float32 weight: fewer than DENSE_ROWS_BELOW rows are F.linear itself (MKL's
-    products, bitwise), more go through the packed copy (equal up to summation order)."""
+def test_small_prepacked_linear_multiplies_packed_only_the_rows_it_is_faster_for(rows, with_bias, monkeypatch):
+    """A small float32 weight: a batch of PACKED_ROWS rows goes through the packed copy (equal
+    to F.linear up to summation order), any other is F.linear itself (MKL's products, bitwise)."""
     torch.manual_seed(rows)
     linear = nn.Linear(256, 512, bias=with_bias)
     layer = prepack_linear(linear, keep_dense=False)
+    packed = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: packed.append(1) or onednn(*a))
     x = torch.randn(rows, 256)
     with torch.inference_mode():
         got, want = layer(x), F.linear(x, linear.weight, linear.bias)
-    if rows < cpu_dense.DENSE_ROWS_BELOW:
+    assert bool(packed) == (rows in cpu_dense.PACKED_ROWS)
+    if not packed:
         assert torch.equal(got, want)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -265,7 +269,7 @@ def test_prepacked_head_logits_match_transformers(tmp_path, tie, one_torch_threa
 @pytest.mark.parametrize("packed_only", [True, False])
 def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_dir, monkeypatch, packed_only):
     # Every linear of the tiny model qualifies: large (packed only), or small (the dense weight
-    # kept for batches of fewer than DENSE_ROWS_BELOW rows, so both paths run here).
+    # kept for batches outside PACKED_ROWS, so both paths run here).
     monkeypatch.setattr(cpu_dense, "SMALL_PREPACK_MIN_ELEMENTS", 1)
     if packed_only:
         monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS", 1)
