@@ -4,7 +4,7 @@ The source is compiled once per machine with the system C compiler (`cc`, or `$C
 host's own instruction set (-march=native) into a shared library cached under
 `$TOKENLANE_CACHE_DIR` (default `$XDG_CACHE_HOME/tokenlane` or `~/.cache/tokenlane`, else the
 temp directory), named by a hash of the source, the compiler's version, the flags and the CPU's
-feature flags; a build takes 5-10 s on 2 cores. It is called through ctypes, which releases the
+feature flags; a build takes 10-20 s on 2 cores. It is called through ctypes, which releases the
 GIL for the call. Without a compiler (or when the build fails) `load()` returns None, logs
 why once, and the engine keeps the torch path (kernels/cpu_attention.py).
 
