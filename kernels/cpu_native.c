@@ -451,6 +451,32 @@ static void *tl_worker(void *arg) {
     return NULL;
 }
 
+/* Whether this build reads caches of `dtype` (float16 needs the compiler's _Float16). */
+static int tl_cache_dtype_ok(int dtype) {
+    if (dtype == TL_FLOAT32 || dtype == TL_BFLOAT16)
+        return 1;
+#ifdef __FLT16_MAX__
+    return dtype == TL_FLOAT16;
+#else
+    return 0;
+#endif
+}
+
+/* Whether block-table row `seq` exists and covers `len` tokens with blocks of the cache: every
+ * index a kernel will follow is checked before any is, so a bad table fails the call instead
+ * of reading outside the cache. */
+static int tl_table_ok(const int32_t *tables, int64_t table_stride, int64_t table_rows, int seq, int len,
+                       int block_size, int64_t num_blocks) {
+    const int blocks = (len + block_size - 1) / block_size;
+    if (seq < 0 || seq >= table_rows || blocks > table_stride)
+        return 0;
+    const int32_t *table = tables + (int64_t)seq * table_stride;
+    for (int b = 0; b < blocks; ++b)
+        if (table[b] < 0 || table[b] >= num_blocks)
+            return 0;
+    return 1;
+}
+
 /* Returns TL_OK, or an error code with nothing guaranteed written (TL_BAD_SHAPE, nothing read
  * or written, when a row, table row, length or block number is out of range: `q_rows` rows of
  * q and out, `table_rows` block tables, `num_blocks` cache blocks, lengths in [1, max_len]).
@@ -464,30 +490,17 @@ int tl_paged_decode_attention(
     int hq, int hkv, int d, int block_size, int max_len, float scale,
     float *out, int64_t o_tok, int64_t o_head, int num_threads, int64_t q_rows, int64_t table_rows,
     int64_t num_blocks) {
-    if (dtype != TL_FLOAT32 && dtype != TL_BFLOAT16) {
-#ifndef __FLT16_MAX__
+    if (!tl_cache_dtype_ok(dtype))
         return TL_BAD_DTYPE;
-#else
-        if (dtype != TL_FLOAT16)
-            return TL_BAD_DTYPE;
-#endif
-    }
     if (n < 0 || hkv <= 0 || hq % hkv || hq / hkv > TL_MAX_GROUP || d <= 0 || block_size <= 0
         || max_len <= 0)
         return TL_BAD_SHAPE;
     if (n == 0)
         return TL_OK;
-    /* Every index the items will follow, checked before any is: a bad block table fails the
-     * call instead of reading outside the cache. */
-    for (int i = 0; i < n; ++i) {
-        if (rows[i] < 0 || rows[i] >= q_rows || seqs[i] < 0 || seqs[i] >= table_rows || lens[i] < 1
-            || lens[i] > max_len || (lens[i] + block_size - 1) / block_size > table_stride)
+    for (int i = 0; i < n; ++i)
+        if (rows[i] < 0 || rows[i] >= q_rows || lens[i] < 1 || lens[i] > max_len
+            || !tl_table_ok(tables, table_stride, table_rows, seqs[i], lens[i], block_size, num_blocks))
             return TL_BAD_SHAPE;
-        const int32_t *table = tables + (int64_t)seqs[i] * table_stride;
-        for (int b = 0; b < (lens[i] + block_size - 1) / block_size; ++b)
-            if (table[b] < 0 || table[b] >= num_blocks)
-                return TL_BAD_SHAPE;
-    }
     tl_job job = {.q = q, .q_tok = q_tok, .q_head = q_head, .k = k_cache, .v = v_cache,
                   .dtype = dtype, .c_block = c_block, .c_tok = c_tok, .c_head = c_head,
                   .tables = tables, .table_stride = table_stride, .rows = rows, .seqs = seqs,
@@ -723,26 +736,15 @@ int tl_paged_prefill_attention(
     int n, int hq, int hkv, int d, int block_size, float scale,
     float *out, int64_t o_tok, int64_t o_head, int num_threads, int64_t q_rows,
     int64_t table_rows, int64_t num_blocks) {
-    if (dtype != TL_FLOAT32 && dtype != TL_BFLOAT16) {
-#ifndef __FLT16_MAX__
+    if (!tl_cache_dtype_ok(dtype))
         return TL_BAD_DTYPE;
-#else
-        if (dtype != TL_FLOAT16)
-            return TL_BAD_DTYPE;
-#endif
-    }
     if (n < 0 || hkv <= 0 || hq % hkv || !tl_prefill_supported(d, hq / hkv) || block_size <= 0)
         return TL_BAD_SHAPE;
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < n; ++i)
         if (q_lens[i] < 1 || ctx_lens[i] < q_lens[i] || q_starts[i] < 0
-            || (int64_t)q_starts[i] + q_lens[i] > q_rows || seqs[i] < 0 || seqs[i] >= table_rows
-            || (ctx_lens[i] + block_size - 1) / block_size > table_stride)
+            || (int64_t)q_starts[i] + q_lens[i] > q_rows
+            || !tl_table_ok(tables, table_stride, table_rows, seqs[i], ctx_lens[i], block_size, num_blocks))
             return TL_BAD_SHAPE;
-        const int32_t *table = tables + (int64_t)seqs[i] * table_stride;
-        for (int b = 0; b < (ctx_lens[i] + block_size - 1) / block_size; ++b)
-            if (table[b] < 0 || table[b] >= num_blocks)
-                return TL_BAD_SHAPE;
-    }
     if (n == 0)
         return TL_OK;
     const int gh = TL_PREFILL_HEADS(d, hq / hkv);
@@ -943,12 +945,8 @@ int tl_rope_write_kv(float *qkv, int64_t n, int64_t s_tok, const float *cos, con
                      const int64_t *slots, int block_size, int64_t num_slots) {
     if (n < 0 || hq <= 0 || hkv <= 0 || d <= 0 || d % 2 || d > 1024 || block_size <= 0)
         return TL_BAD_SHAPE;
-    if (dtype != TL_FLOAT32 && dtype != TL_BFLOAT16 && dtype != TL_FLOAT16)
+    if (!tl_cache_dtype_ok(dtype))
         return TL_BAD_DTYPE;
-#ifndef __FLT16_MAX__
-    if (dtype == TL_FLOAT16)
-        return TL_BAD_DTYPE;
-#endif
     for (int64_t t = 0; t < n; ++t)
         if (slots[t] >= num_slots)
             return TL_BAD_SHAPE;

@@ -361,6 +361,36 @@ def can_write_kv(key, value, key_cache, value_cache, slot_mapping) -> bool:
     )
 
 
+def _launchable(query, key_cache, value_cache, block_tables, out, index: dict[str, torch.Tensor]) -> ctypes.CDLL:
+    """The library, once the checks both attention launchers share pass: float32 query and out
+    of one shape, K and V caches alike in a cache dtype, the head size the cache's, CPU tensors
+    with a contiguous last axis, int32 block tables and `index` vectors (contiguous, one
+    length). ValueError (RuntimeError without the library) names what is wrong."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU attention is not available: {_load_error}")
+    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value cache {tuple(value_cache.shape)}/{value_cache.stride()} must match "
+                         f"the key cache {tuple(key_cache.shape)}/{key_cache.stride()}")
+    if key_cache.shape[-1] != query.shape[-1] or out.shape != query.shape:
+        raise ValueError(f"head size / output shape mismatch: query {tuple(query.shape)}, "
+                         f"cache {tuple(key_cache.shape)}, out {tuple(out.shape)}")
+    if query.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError(f"query and out must be float32, got {query.dtype} and {out.dtype}")
+    if key_cache.dtype not in _DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"cache dtype must be one of {list(_DTYPES)}, got {key_cache.dtype}")
+    for name, tensor in (("query", query), ("out", out), ("key_cache", key_cache)):
+        if tensor.device.type != "cpu" or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be a CPU tensor with a contiguous last axis")
+    vectors = index.values()
+    if any(x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous() for x in vectors) or \
+            len({x.numel() for x in vectors}) != 1:
+        raise ValueError(f"{', '.join(index)} must be contiguous int32 vectors of one length")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be int32 with a contiguous last axis")
+    return lib
+
+
 def prefill_supported(head_dim: int, group: int) -> bool:
     """Whether `paged_prefill_attention` takes this head size and query heads per KV head
     (head sizes 32 and 64; 1, 2, 4 or 8 query heads per KV head)."""
@@ -386,33 +416,13 @@ def paged_prefill_attention(
     query row r at position ctx_lens[i] - q_lens[i] + r. The other rows of `out` are left as
     they are. Every index is bound-checked in C before any is followed (ValueError, nothing
     written)."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"native CPU attention is not available: {_load_error}")
+    lib = _launchable(query, key_cache, value_cache, block_tables, out,
+                      {"q_starts": q_starts, "q_lens": q_lens, "ctx_lens": ctx_lens, "seqs": seqs})
     t, hq, d = query.shape
-    num_blocks, block_size, hkv, dk = key_cache.shape
-    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
-        raise ValueError(f"value cache {tuple(value_cache.shape)}/{value_cache.stride()} must match "
-                         f"the key cache {tuple(key_cache.shape)}/{key_cache.stride()}")
-    if dk != d or out.shape != query.shape:
-        raise ValueError(f"head size / output shape mismatch: query {tuple(query.shape)}, "
-                         f"cache {tuple(key_cache.shape)}, out {tuple(out.shape)}")
+    num_blocks, block_size, hkv, _ = key_cache.shape
     if hq % hkv or not lib.tl_prefill_supported(d, hq // hkv):
         raise ValueError(f"prefill attention takes head sizes 32 and 64 and 1, 2, 4 or 8 query heads "
                          f"per KV head, got head size {d}, {hq} query heads, {hkv} KV heads")
-    if query.dtype != torch.float32 or out.dtype != torch.float32:
-        raise ValueError(f"query and out must be float32, got {query.dtype} and {out.dtype}")
-    if key_cache.dtype not in _DTYPES or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"cache dtype must be one of {list(_DTYPES)}, got {key_cache.dtype}")
-    for name, tensor in (("query", query), ("out", out), ("key_cache", key_cache)):
-        if tensor.device.type != "cpu" or tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be a CPU tensor with a contiguous last axis")
-    index = (q_starts, q_lens, ctx_lens, seqs)
-    if any(x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous() for x in index) or \
-            len({x.numel() for x in index}) != 1:
-        raise ValueError("q_starts, q_lens, ctx_lens and seqs must be contiguous int32 vectors of one length")
-    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
-        raise ValueError("block_tables must be int32 with a contiguous last axis")
     n = q_lens.numel()
     if n == 0:
         return out
@@ -452,33 +462,12 @@ def paged_decode_attention(
     """out[rows[i]] = attention of query[rows[i]] over the first lens[i] cached tokens of
     block-table row seqs[i]. The other rows of `out` are left as they are. Every index is
     bound-checked in C before any is followed (ValueError, nothing written)."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"native CPU attention is not available: {_load_error}")
+    lib = _launchable(query, key_cache, value_cache, block_tables, out, {"rows": rows, "seqs": seqs, "lens": lens})
     t, hq, d = query.shape
-    num_blocks, block_size, hkv, dk = key_cache.shape
-    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
-        raise ValueError(f"value cache {tuple(value_cache.shape)}/{value_cache.stride()} must match "
-                         f"the key cache {tuple(key_cache.shape)}/{key_cache.stride()}")
-    if dk != d or out.shape != query.shape:
-        raise ValueError(f"head size / output shape mismatch: query {tuple(query.shape)}, "
-                         f"cache {tuple(key_cache.shape)}, out {tuple(out.shape)}")
+    num_blocks, block_size, hkv, _ = key_cache.shape
     if hq % hkv or hq // hkv > MAX_GROUP:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv}), "
                          f"at most {MAX_GROUP} per KV head")
-    if query.dtype != torch.float32 or out.dtype != torch.float32:
-        raise ValueError(f"query and out must be float32, got {query.dtype} and {out.dtype}")
-    if key_cache.dtype not in _DTYPES or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"cache dtype must be one of {list(_DTYPES)}, got {key_cache.dtype}")
-    for name, tensor in (("query", query), ("out", out), ("key_cache", key_cache)):
-        if tensor.device.type != "cpu" or tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be a CPU tensor with a contiguous last axis")
-    index = (rows, seqs, lens)
-    if any(x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous() for x in index) or \
-            len({x.numel() for x in index}) != 1:
-        raise ValueError("rows, seqs and lens must be contiguous int32 vectors of one length")
-    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
-        raise ValueError("block_tables must be int32 with a contiguous last axis")
     n = rows.numel()
     if n == 0:
         return out
