@@ -81,7 +81,12 @@ def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
     # Bytes of one gathered token (K + V), with their float32 copies for a narrower cache.
     upcast_bytes = 0 if key_cache.dtype == torch.float32 else 4
     row_bytes = 2 * num_kv_heads * head_dim * (key_cache.element_size() + upcast_bytes)
-    native_prefill = native and _native_prefill_supported(head_dim, query.shape[1] // num_kv_heads)
+    if native:
+        from tokenlane.kernels import cpu_native
+
+        native_prefill = cpu_native.prefill_supported(head_dim, query.shape[1] // num_kv_heads)
+    else:
+        native_prefill = False
     plan = _plan_for(block_tables, seq_lens, query_start_loc, block_size, row_bytes,
                      batch_decodes, native, native_prefill)
     # Most calls here are small: run them on one thread, as an OpenMP fork/join per op costs
@@ -350,19 +355,6 @@ def _attend_prefills_native(query, key_cache, value_cache, block_tables, prefill
     if o is not out:
         for start, n in zip(prefills.q_starts.tolist(), prefills.q_lens.tolist()):
             out[start : start + n] = o[start : start + n].to(out.dtype)
-
-
-_prefill_support: dict[tuple[int, int], bool] = {}
-
-
-def _native_prefill_supported(head_dim: int, group: int) -> bool:
-    """cpu_native.prefill_supported, asked once per shape (this runs for every layer)."""
-    supported = _prefill_support.get((head_dim, group))
-    if supported is None:
-        from tokenlane.kernels import cpu_native
-
-        supported = _prefill_support[(head_dim, group)] = cpu_native.prefill_supported(head_dim, group)
-    return supported
 
 
 def _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, out):

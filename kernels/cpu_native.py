@@ -19,6 +19,7 @@ bitwise the torch ops', then that write), `argmax_rows` (greedy sampling) and `r
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -391,9 +392,11 @@ def _launchable(query, key_cache, value_cache, block_tables, out, index: dict[st
     return lib
 
 
+@functools.lru_cache(maxsize=None)
 def prefill_supported(head_dim: int, group: int) -> bool:
     """Whether `paged_prefill_attention` takes this head size and query heads per KV head
-    (head sizes 32 and 64; 1, 2, 4 or 8 query heads per KV head)."""
+    (head sizes 32 and 64; 1, 2, 4 or 8 query heads per KV head). Asked for every layer, so
+    answered once per shape."""
     lib = load()
     return lib is not None and bool(lib.tl_prefill_supported(head_dim, group))
 

@@ -439,8 +439,8 @@ class CausalLM(nn.Module):
     def prepack_linears(self) -> None:
         """Swap the large linears (float32, and bf16 where the CPU multiplies it natively) for
         oneDNN-prepacked ones (runtime/cpu_dense.py). The per-layer ones drop their dense
-        weight, but for small float32 ones (kept for batches of few rows); the LM head keeps
-        it (the tied embedding)."""
+        weight, but for small float32 ones (kept for the batch sizes MKL multiplies faster);
+        the LM head keeps it (the tied embedding)."""
         support = detect_cpu_matmul_support()
         self.lm_head = prepack_linear(self.lm_head, support=support)
         for layer in self.layers:
