@@ -18,8 +18,9 @@ measured within 10% of MKL for weights larger than the caches). Smaller float32 
 pick by batch: on two threads MKL multiplied 16-56 rows 1.3-3x slower than oneDNN (2-core Xeon,
 [16 x 256] x [256 x 512]: 92 against 43 us; [16 x 688] x [688 x 256]: 127 against 47 us), but
 1-12 rows 2-3x faster (a oneDNN call costs about 30 us there) and 64 rows or more 1.1-1.7x
-faster, so only batches of `PACKED_ROWS` rows go to oneDNN. The LM head keeps its dense weight too (for a tied
-head it is the embedding table, shared), but multiplies packed as well, single rows included:
+faster, so only batches of `PACKED_ROWS` rows go to oneDNN. The LM head keeps its dense
+weight too (for a tied head it is the embedding table, shared), but multiplies packed as well,
+single rows included:
 on a 2-core Zen 4, MKL's matrix-vector product of one row with a [32000 x 256] float32 head
 took 5.3 ms against 0.9 ms packed (1.3-2.7x for hidden sizes 512-4096), and a one-sequence
 decode step of the 19M model 10-12 ms against 5.3-6.1 ms.
@@ -122,7 +123,8 @@ def prepack_dtypes(support: Optional[CpuMatmulSupport] = None) -> tuple[torch.dt
 
 
 def can_prepack(weight: torch.Tensor, support: Optional[CpuMatmulSupport] = None) -> bool:
-    """oneDNN prepacking applies to large CPU weights of a dtype in `prepack_dtypes`, when
+    """oneDNN prepacking applies to CPU weights of a dtype in `prepack_dtypes` with at least
+    SMALL_PREPACK_MIN_ELEMENTS (float32) or PREPACK_MIN_ELEMENTS_BF16 (bf16) elements, when
     torch has oneDNN."""
     minimum = PREPACK_MIN_ELEMENTS_BF16 if weight.dtype == torch.bfloat16 else SMALL_PREPACK_MIN_ELEMENTS
     return (
