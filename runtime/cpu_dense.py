@@ -20,10 +20,9 @@ pick by batch: on two threads MKL multiplied 16-56 rows 1.3-3x slower than oneDN
 1-12 rows 2-3x faster (a oneDNN call costs about 30 us there) and 64 rows or more 1.1-1.7x
 faster, so only batches of `PACKED_ROWS` rows go to oneDNN. The LM head keeps its dense
 weight too (for a tied head it is the embedding table, shared), but multiplies packed as well,
-single rows included:
-on a 2-core Zen 4, MKL's matrix-vector product of one row with a [32000 x 256] float32 head
-took 5.3 ms against 0.9 ms packed (1.3-2.7x for hidden sizes 512-4096), and a one-sequence
-decode step of the 19M model 10-12 ms against 5.3-6.1 ms.
+single rows included: on a 2-core Zen 4, MKL's matrix-vector product of one row with a
+[32000 x 256] float32 head took 5.3 ms against 0.9 ms packed (1.3-2.7x for hidden sizes
+512-4096), and a one-sequence decode step of the 19M model 10-12 ms against 5.3-6.1 ms.
 
 bfloat16 weights are prepacked too where the CPU multiplies bf16 natively (AVX512-BF16 or
 AMX: where `cpuComputeDtype: auto` keeps bf16). `F.linear` in bf16 already goes to oneDNN
