@@ -65,16 +65,13 @@ def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[
     the Rust tokenizer's `decode` itself, called directly: transformers' wrapper around it (a
     conversion of the ids, the keyword handling) took about twice as long as the decode (1.6
     against 4.7 us for 6 tokens), twice per streamed token."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:  # pragma: no cover - transformers is a runtime dependency
-        PreTrainedTokenizerFast = PreTrainedTokenizerBase = None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
     cls = type(tokenizer)
     backend = getattr(tokenizer, "_tokenizer", None)
-    if (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
-            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode
-            and backend is not None and hasattr(backend, "decode")):
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode and hasattr(backend, "decode")):
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                         clean_up_tokenization_spaces=False)
