@@ -55,7 +55,8 @@ from tokenlane.runtime.protocol import (
 from tokenlane.runtime.structured_output import GrammarCompiler, parse_tool_call, tool_call_schema
 from tokenlane.runtime.request import FinishReason, Request, SamplingParams, SequenceGroup, sequence_seed
 from tokenlane.runtime.router import Caller, choose_lane, parse_deadline_ms
-from tokenlane.runtime.sse import DONE_EVENT, ClientGone, EventStreamResponse, sse_event, until_disconnect
+from tokenlane.runtime.sse import (DONE_EVENT, ClientGone, EventStreamResponse, TextEventTemplate, sse_event,
+                                   until_disconnect)
 from tokenlane.runtime.text_codec import TextCodec
 
 if TYPE_CHECKING:
@@ -520,7 +521,7 @@ async def _completion_events(state, jobs, want: _Want, model, created, include_u
     formatters = {job.index: CompletionLogprobs(texts, want.logprobs) for job in jobs} if want.logprobs is not None else {}
     usage = _UsageTotals()
 
-    def chunk(job: _Job, text: str, logprobs, finish, prompt_logprobs=None, token_ids=()) -> str:
+    def payload(job: _Job, text: str, logprobs, finish, prompt_logprobs=None, token_ids=()) -> dict:
         choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if want.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs
@@ -531,10 +532,21 @@ async def _completion_events(state, jobs, want: _Want, model, created, include_u
         out = {**base, "choices": [choice]}
         if include_usage:
             out["usage"] = None
-        return sse_event(out)
+        return out
+
+    def chunk(*args, **kwargs) -> str:
+        return sse_event(payload(*args, **kwargs))
+
+    # A choice's chunks of text alone (no logprobs, ids or prompt logprobs; not its last) come
+    # from a template: most chunks of most streams.
+    plain = {}
+    if want.logprobs is None and want.prompt_logprobs is None and not want.token_ids:
+        plain = {job.index: TextEventTemplate.of(payload(job, TextEventTemplate.TEXT_SLOT, None, None))
+                 for job in jobs}
 
     async for job, out in _merged(jobs, synthetic):
-        usage.add(job, out)
+        if include_usage:
+            usage.add(job, out)
         err = _stream_error(out)
         if err is not None:
             yield sse_event(err.body())
@@ -554,7 +566,11 @@ async def _completion_events(state, jobs, want: _Want, model, created, include_u
                 yield chunk(job, job.prompt_text if want.echo else "", echo_lp, None, prompt_lp)
         # A token whose text is held back (a stop string may follow) still gets a chunk when its
         # logprobs or ids are asked for.
-        if out.new_text or out.finished or ((fmt is not None or want.token_ids) and out.new_token_ids):
+        template = None if out.finished else plain.get(job.index)
+        if template is not None:
+            if out.new_text:
+                yield template(out.new_text)
+        elif out.new_text or out.finished or ((fmt is not None or want.token_ids) and out.new_token_ids):
             lp = fmt.build(out.new_token_ids, out.new_logprobs or []) if fmt is not None else None
             yield chunk(job, out.new_text, lp, _finish_reason(out.finish_reason) if out.finished else None,
                         token_ids=out.new_token_ids)
@@ -568,11 +584,18 @@ async def _chat_events(state, jobs, want: _Want, model, created, include_usage, 
     texts = state.token_texts
     usage = _UsageTotals()
 
-    def chunk(index: int, delta: dict, finish: Optional[str], logprobs=None) -> str:
+    def payload(index: int, delta: dict, finish: Optional[str], logprobs=None) -> dict:
         out = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             out["usage"] = None
-        return sse_event(out)
+        return out
+
+    def chunk(*args) -> str:
+        return sse_event(payload(*args))
+
+    # A choice's content deltas without logprobs come from a template (most chunks).
+    plain = {job.index: TextEventTemplate.of(payload(job.index, {"content": TextEventTemplate.TEXT_SLOT}, None))
+             for job in jobs}
 
     for job in jobs:
         yield chunk(job.index, {"role": "assistant", "content": ""}, None)
@@ -580,7 +603,8 @@ async def _chat_events(state, jobs, want: _Want, model, created, include_usage, 
     # one content delta or one tool_calls delta (OpenAI's chunk shape).
     held: dict[int, tuple[list[str], list]] = {job.index: ([], []) for job in jobs} if want.tools else {}
     async for job, out in _merged(jobs, synthetic):
-        usage.add(job, out)
+        if include_usage:
+            usage.add(job, out)
         err = _stream_error(out)
         if err is not None:
             yield sse_event(err.body())
@@ -603,7 +627,11 @@ async def _chat_events(state, jobs, want: _Want, model, created, include_usage, 
             yield chunk(job.index, delta, None, lp)
             yield chunk(job.index, {}, reason)
             continue
-        if out.new_text or with_lp:
+        template = None if with_lp else plain[job.index]
+        if template is not None:
+            if out.new_text:
+                yield template(out.new_text)
+        elif out.new_text or with_lp:
             lp = {"content": chat_logprobs_content(texts, want.logprobs, out.new_logprobs or [])} if with_lp else None
             yield chunk(job.index, {"content": out.new_text}, None, lp)
         if out.finished:

@@ -194,3 +194,17 @@ async def test_crashed_executor_fails_streams_and_marks_unhealthy():
         engine.submit(req("after"))
     assert e.value.status == 503
     await engine.shutdown(0.1)
+
+
+async def test_a_consumer_cancelled_while_waiting_loses_no_output():
+    engine, _ = make()
+    stream = engine.submit(req("r0"))
+    waiting = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # now awaiting its first output
+    waiting.cancel()
+    await asyncio.sleep(0)
+    assert waiting.cancelled()
+    await engine.start()
+    outs = await asyncio.wait_for(collect(stream), 10)  # every output, the first included
+    assert sum(len(o.new_token_ids) for o in outs) == 4 and outs[-1].finished
+    await engine.shutdown(1.0)
