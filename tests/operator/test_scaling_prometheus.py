@@ -144,6 +144,10 @@ async def test_each_replica_scraped_now_reads_its_own_running_share(prometheus):
     client = PrometheusClient(url)
     running = f'tokenlane_requests_running{{model="{MODEL}",namespace="ml"}}'
     await _until(client, running, 3)
+    # The lane is known from its request rate, which needs two scrapes of each counter: wait for
+    # them, or the third replica may go down before the first two were scraped twice.
+    total = f'tokenlane_requests_total{{model="{MODEL}",namespace="ml"}}'
+    await _until(client, f"count_over_time({total}[60s]) >= 2", 3)
     replicas[2].down()
     await _until(client, running, 2)  # a failed scrape marks the replica's series stale at once
     # Its samples are still inside the range that the load now is averaged over.
