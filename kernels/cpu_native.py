@@ -10,7 +10,8 @@ why once, and the engine keeps the torch path (kernels/cpu_attention.py).
 
 `paged_decode_attention` is the decode-attention launcher: it checks shapes, strides and
 dtypes, then runs every decode of a batch in one call. Results equal the torch reference up
-to float32 summation order (tests/kernels/test_cpu_native.py). `write_kv_cache` (the KV cache
+to float32 summation order (tests/kernels/test_cpu_native.py). `PanelLinear` multiplies the
+few rows of a decode step by a weight packed once into panels. `write_kv_cache` (the KV cache
 write, bit-exact with the torch one), `try_rope_write_kv` (RoPE on a layer's queries and keys,
 bitwise the torch ops', then that write), `argmax_rows` (greedy sampling) and `rms_norm`
 (RMSNorm in float32 or bf16, equal to torch's up to summation order) are the others.
@@ -195,6 +196,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     norm = lib.tl_rms_norm
     norm.restype = i32
     norm.argtypes = [ptr, i64, i64, i64, ptr, i32, ctypes.c_float, ptr, i64, i32]  # x, rows, cols, stride, w, dtype, eps, out, stride, threads
+    lib.tl_panel_width.restype = i32
+    lib.tl_panel_width.argtypes = []
+    linear = lib.tl_linear_panels
+    linear.restype = i32
+    linear.argtypes = [
+        ptr, i64, i64, i64,  # x, rows, in features, row stride
+        ptr, i64, ptr,  # panels, out features, bias (or NULL)
+        ptr, i64, i32,  # out, its row stride, threads
+    ]
     return lib
 
 
@@ -494,3 +504,57 @@ def paged_decode_attention(
     if code:
         raise RuntimeError(f"native CPU attention failed: {_ERRORS.get(code, code)}")
     return out
+
+
+def panel_width() -> Optional[int]:
+    """Output columns per panel of `pack_panels` in this build (four of its widest float
+    vectors: 64 with AVX-512, else 32), or None without the native kernels."""
+    lib = load()
+    return None if lib is None else lib.tl_panel_width()
+
+
+
+class PanelLinear:
+    """`F.linear(x, weight, bias)` for float32 CPU inputs, through `tl_linear_panels`: the
+    weight [N, K] is packed once into panels of `panel_width()` output columns ([ceil(N /
+    width), K, width], panel p the output columns [p * width, (p + 1) * width) transposed, zero
+    past N: a copy). Each output is the sum of x[k] * weight[n, k] in order of k, then the
+    bias: equal to F.linear up to summation order. Built for the few rows of a decode step
+    (runtime/cpu_dense.py says when it is used)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        lib = load()
+        if lib is None:
+            raise RuntimeError(f"native CPU kernels are not available: {_load_error}")
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.numel() == 0:
+            raise ValueError(f"PanelLinear needs a non-empty float32 CPU weight [N, K], got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"
+                                 or bias.shape != (self.out_features,)):
+            raise ValueError(f"bias must be a float32 CPU vector of {self.out_features}, got "
+                             f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
+        self.width = lib.tl_panel_width()
+        padded = torch.zeros(-(-self.out_features // self.width) * self.width, self.in_features)
+        padded[: self.out_features] = weight.detach()
+        # [panels, K, width]: each panel one contiguous stream of memory.
+        self.panels = padded.view(-1, self.width, self.in_features).transpose(1, 2).contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self._lib = lib
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.in_features
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
+            raise ValueError(f"PanelLinear takes float32 CPU input [..., {k}], got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        code = self._lib.tl_linear_panels(
+            rows.data_ptr(), rows.shape[0], k, rows.stride(0), self.panels.data_ptr(), self.out_features,
+            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), out.stride(0),
+            torch.get_num_threads())
+        if code:
+            raise RuntimeError(f"native linear failed: {_ERRORS.get(code, code)}")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)

@@ -564,3 +564,68 @@ def test_rms_norm_takes_strided_rows_and_refuses_what_it_cannot():
     half = rows.half()
     assert torch.equal(api.rms_norm(half, weight.half(), 1e-6, backend="native"),
                        _torch_rms_norm(half, weight.half(), 1e-6))
+
+
+# ------------------------------------------------------------------ the panel linear (decode-sized products)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows, k, n", [
+    (1, 512, 1024), (5, 33, 65), (6, 256, 64), (7, 256, 100), (64, 512, 2752), (97, 64, 130),
+    (300, 48, 200), (0, 16, 16),
+])
+def test_panel_linear_matches_float64(rows, k, n, with_bias, threads):
+    """Row counts around the pass height (6 or 3 rows) and the 96-row work items, output widths
+    around the panel width (a last panel part empty), an odd K; one thread gives the same bits
+    as two (each output is summed the same way whichever thread takes its panel)."""
+    gen = torch.Generator().manual_seed(rows * 131 + k * 7 + n)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) / k ** 0.5
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    linear = cpu_native.PanelLinear(weight, bias)
+    assert linear.panels.shape == (-(-n // linear.width), k, linear.width)
+    torch.set_num_threads(threads)
+    try:
+        got = linear(x)
+    finally:
+        torch.set_num_threads(1)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear(x), got)
+
+
+def test_panel_linear_is_exact_where_every_order_is():
+    """Small integers: every partial sum is exact in float32, so the products are F.linear's
+    to the bit (and a padded panel column never leaks into the output)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (37, 96), generator=gen).float()
+    weight = torch.randint(-4, 5, (70, 96), generator=gen).float()
+    bias = torch.randint(-4, 5, (70,), generator=gen).float()
+    assert torch.equal(cpu_native.PanelLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_panel_linear_takes_strided_and_batched_inputs():
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(80, 64, generator=gen)
+    linear = cpu_native.PanelLinear(weight)
+    wide = torch.randn(9, 100, generator=gen)
+    torch.testing.assert_close(linear(wide[:, :64]), wide[:, :64] @ weight.T, rtol=1e-5, atol=1e-5)
+    cube = torch.randn(3, 5, 64, generator=gen)
+    torch.testing.assert_close(linear(cube), cube @ weight.T, rtol=1e-5, atol=1e-5)
+    columns = torch.randn(64, 7, generator=gen).t()  # last axis not contiguous
+    torch.testing.assert_close(linear(columns), columns @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_panel_linear_refuses_what_it_does_not_take():
+    weight = torch.randn(32, 16)
+    for bad_weight in (weight.bfloat16(), weight.double(), weight[0], torch.empty(0, 16)):
+        with pytest.raises(ValueError, match="float32 CPU weight"):
+            cpu_native.PanelLinear(bad_weight)
+    with pytest.raises(ValueError, match="bias must be a float32 CPU vector of 32"):
+        cpu_native.PanelLinear(weight, torch.zeros(31))
+    linear = cpu_native.PanelLinear(weight)
+    for bad_x in (torch.randn(4, 15), torch.randn(4, 16).double(), torch.randn(4, 16).bfloat16()):
+        with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 16\]"):
+            linear(bad_x)
