@@ -1,4 +1,4 @@
-"""How the dense layers run on the CPU: the compute dtype and oneDNN-prepacked linears.
+"""How the dense layers run on the CPU: the compute dtype, oneDNN-prepacked and panel linears.
 
 Compute dtype. A CPU without native bf16/fp16 matrix instructions (AVX512-BF16 or AMX for
 bf16, AMX-FP16 for fp16) converts every operand on the fly: on an AVX2 host a bf16 GEMM runs
@@ -24,6 +24,21 @@ single rows included: on a 2-core Zen 4, MKL's matrix-vector product of one row 
 [32000 x 256] float32 head took 5.3 ms against 0.9 ms packed (1.3-2.7x for hidden sizes
 512-4096), and a one-sequence decode step of the 19M model 10-12 ms against 5.3-6.1 ms.
 
+Panels. A float32 weight of at most PANEL_MAX_IN_FEATURES input features (the hidden sizes of
+the small models a CPU serves) also gets a copy packed into panels for the native kernel
+(kernels/cpu_native.py's PanelLinear), and batches of `panel_rows()` rows (decode steps)
+multiply it: 1-96 in an AVX-512 build, 1-16 in an AVX2 one. It keeps a pass's sums in registers and fetches a panel's weights while multiplying the
+one before, where oneDNN's first pass over each block waits for memory: decode steps of the 19M
+test model ran 1.15x (16 sequences) and 1.07x (64) faster, of the 44M model of
+runtime/bench/engine_vs_hf 1.11x and 1.08x (2-core Xeon, AVX-512, whole engine steps with the
+two forms alternated). From 128 rows oneDNN is as fast, and from a few hundred faster (no
+blocking for the caches), and for inputs of 4096 features it was 0.6-0.75x of oneDNN at 1-64
+rows: those keep oneDNN. An AVX2 build (three rows by four 8-float vectors a pass, oneDNN and
+MKL limited to AVX2 too, same host) was 1.1-1.5x faster at 1-16 rows, 0.7-0.9x at 32-96 for
+the 44M model's layers. Where the dense weight is held (the small weights, the LM head), the
+other batches go to it (MKL) and there is no oneDNN copy, so the memory is as before; the
+larger per-layer weights keep oneDNN's copy for prefill, so those are held twice.
+
 bfloat16 weights are prepacked too where the CPU multiplies bf16 natively (AVX512-BF16 or
 AMX: where `cpuComputeDtype: auto` keeps bf16). `F.linear` in bf16 already goes to oneDNN
 there, but reorders the weight on every call; the packed weight gives the same products
@@ -42,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenlane.kernels import cpu_native
 from tokenlane.runtime.config import CPU_COMPUTE_DTYPES
 
 # Weights with at least this many elements (1 MiB in float32) get a oneDNN-prepacked copy.
@@ -55,6 +71,10 @@ PACKED_ROWS = range(16, 64)
 PREPACK_MIN_ELEMENTS_BF16 = 1 << 16
 # The row count oneDNN is told to expect when it picks the packed layout (a decode batch).
 PREPACK_ROWS_HINT = 64
+# float32 weights of at most this many input features also get a panel copy (see above), and
+# batches of `panel_rows()` rows multiply it: by the build's panel width (AVX-512: 64; AVX2: 32).
+PANEL_MAX_IN_FEATURES = 1536
+PANEL_ROWS_BY_WIDTH = {64: range(1, 97), 32: range(1, 17)}
 
 
 @dataclass(frozen=True)
@@ -137,51 +157,80 @@ def can_prepack(weight: torch.Tensor, support: Optional[CpuMatmulSupport] = None
 
 
 class PrepackedLinear(nn.Module):
-    """`F.linear(x, weight, bias)` through oneDNN with the weight reordered once.
+    """`F.linear(x, weight, bias)` with the weight prepared once, in up to three forms picked
+    by the batch's row count: the panel copy (`panel_rows`, kernels/cpu_native.py's
+    PanelLinear), else oneDNN's packed copy (`packed_rows`; all rows when None), else the dense
+    weight (F.linear, MKL).
 
     `keep_dense`: hold the dense weight too (shared, not copied: for a tied LM head it is the
-    embedding table). Without it (the per-layer linears) only the packed copy is held:
-    `weight` is None. With `packed_rows`, inputs whose row count is outside it multiply the
-    dense weight (F.linear, MKL); without, every input multiplies the packed copy.
+    embedding table). Without it (the per-layer linears) `weight` is None. oneDNN's copy is
+    made unless there are panels and a dense weight for the other batches to go to.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, keep_dense: bool = True,
-                 packed_rows: Optional[range] = None):
+                 packed_rows: Optional[range] = None, panel_rows: Optional[range] = None):
         super().__init__()
         assert weight.dim() == 2 and weight.device.type == "cpu", "PrepackedLinear needs a 2-D CPU weight"
         assert keep_dense or packed_rows is None, "multiplying dense needs the dense weight"
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed_rows = packed_rows
-        # An opaque oneDNN tensor: a plain attribute, not a parameter (no state_dict entry).
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
+        self.panel_rows = panel_rows
+        # Opaque copies: plain attributes, not parameters (no state_dict entries).
+        self.panels = None if panel_rows is None else cpu_native.PanelLinear(weight, bias)
+        self.packed = None
+        if self.panels is None or not keep_dense:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
         if keep_dense:
             self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         else:
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_rows is not None and x.numel() // self.in_features not in self.packed_rows:
+        rows = x.numel() // self.in_features
+        if self.panels is not None and rows in self.panel_rows:
+            return self.panels(x)
+        if self.packed is None or (self.packed_rows is not None and rows not in self.packed_rows):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        rows = "all" if self.packed_rows is None else f"{self.packed_rows.start}-{self.packed_rows.stop - 1}"
+        def rows(r: Optional[range], default: str) -> str:
+            return default if r is None else f"{r.start}-{r.stop - 1}"
+
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, dense_copy={self.weight is not None}, packed_rows={rows}")
+                f"bias={self.bias is not None}, dense_copy={self.weight is not None}, "
+                f"panel_rows={rows(self.panel_rows, 'none')}, "
+                f"packed_rows={'none' if self.packed is None else rows(self.packed_rows, 'all')}")
+
+
+def panel_rows() -> Optional[range]:
+    """The row counts that multiply panel copies in this build, or None (no native kernels,
+    or a panel width without measurements)."""
+    return PANEL_ROWS_BY_WIDTH.get(cpu_native.panel_width())
+
+
+def can_use_panels(weight: torch.Tensor) -> bool:
+    """Whether a decode batch multiplies `weight` through a panel copy: a float32 weight of at
+    most PANEL_MAX_IN_FEATURES input features, where the native kernels are built."""
+    return (weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] <= PANEL_MAX_IN_FEATURES
+            and panel_rows() is not None)
 
 
 def prepack_linear(
     linear: nn.Linear, *, keep_dense: bool = True, support: Optional[CpuMatmulSupport] = None
 ) -> nn.Module:
     """`linear` itself when prepacking does not apply, else its prepacked replacement. A float32
-    weight below PREPACK_MIN_ELEMENTS keeps its dense copy too, for batches outside PACKED_ROWS."""
+    weight below PREPACK_MIN_ELEMENTS keeps its dense copy too (for batches outside PACKED_ROWS,
+    or outside `panel_rows()` where it has panels)."""
     if not can_prepack(linear.weight, support):
         return linear
     bias = None if linear.bias is None else linear.bias.detach()
+    rows = panel_rows() if can_use_panels(linear.weight) else None
     if linear.weight.dtype == torch.float32 and linear.weight.numel() < PREPACK_MIN_ELEMENTS:
-        return PrepackedLinear(linear.weight, bias, keep_dense=True, packed_rows=PACKED_ROWS)
-    return PrepackedLinear(linear.weight, bias, keep_dense=keep_dense)
+        return PrepackedLinear(linear.weight, bias, keep_dense=True,
+                               packed_rows=None if rows else PACKED_ROWS, panel_rows=rows)
+    return PrepackedLinear(linear.weight, bias, keep_dense=keep_dense, panel_rows=rows)
 
 
 __all__ = [
@@ -189,6 +238,8 @@ __all__ = [
     "CpuMatmulSupport",
     "PrepackedLinear",
     "can_prepack",
+    "can_use_panels",
+    "panel_rows",
     "detect_cpu_matmul_support",
     "has_native_matmul",
     "prepack_dtypes",

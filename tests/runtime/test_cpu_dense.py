@@ -1,5 +1,6 @@
-"""The CPU's dense path (runtime/cpu_dense.py): the compute-dtype policy and the
-oneDNN-prepacked LM head, each against its plain-torch counterpart."""
+"""The CPU's dense path (runtime/cpu_dense.py): the compute-dtype policy and the prepared
+linears (oneDNN's packed copy, the native panel copy), each against its plain-torch
+counterpart."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenlane.kernels import cpu_native
 from tokenlane.runtime import cpu_dense
 from tokenlane.runtime.config import ConfigError, EngineConfig, ModelConfig, RuntimeConfig
 from tokenlane.runtime.cpu_dense import (
@@ -140,22 +142,80 @@ def test_prepack_applies_to_large_weights_of_natively_multiplied_dtypes():
         projection = nn.Linear(256, 256, bias=False, dtype=BF16)
         assert can_prepack(projection.weight, AVX512_BF16)
         assert not can_prepack(nn.Linear(256, 128, dtype=BF16).weight, AVX512_BF16)
-        # float32 from 2^16 elements too, keeping the dense weight for batches of few rows;
-        # from 2^18 the per-layer linears keep only the packed copy.
-        small = prepack_linear(nn.Linear(256, 256, bias=False), keep_dense=False, support=AVX2)
-        assert isinstance(small, PrepackedLinear) and small.weight is not None
-        assert small.packed_rows == cpu_dense.PACKED_ROWS
-        large = prepack_linear(nn.Linear(512, 512, bias=False), keep_dense=False, support=AVX2)
-        assert isinstance(large, PrepackedLinear) and large.weight is None and large.packed_rows is None
         assert not can_prepack(nn.Linear(256, 128).weight, AVX2)
+
+
+@needs_onednn
+def test_float32_linears_without_panels_keep_the_oneDNN_policy(monkeypatch):
+    """Where no weight gets panels (no native kernels, or inputs wider than
+    PANEL_MAX_IN_FEATURES): float32 from 2^16 elements keeps the dense weight for batches
+    outside PACKED_ROWS; from 2^18 the per-layer linears keep only the packed copy."""
+    monkeypatch.setattr(cpu_dense, "PANEL_MAX_IN_FEATURES", 0)
+    small = prepack_linear(nn.Linear(256, 256, bias=False), keep_dense=False, support=AVX2)
+    assert isinstance(small, PrepackedLinear) and small.weight is not None and small.panels is None
+    assert small.packed_rows == cpu_dense.PACKED_ROWS
+    large = prepack_linear(nn.Linear(512, 512, bias=False), keep_dense=False, support=AVX2)
+    assert isinstance(large, PrepackedLinear) and large.weight is None and large.packed_rows is None
+    head = prepack_linear(nn.Linear(64, 8192, bias=False), support=AVX2)
+    assert head.weight is not None and head.packed is not None and head.panels is None
+
+
+needs_panels = pytest.mark.skipif(not cpu_native.available(), reason="no native CPU kernels (no C compiler)")
+
+
+@needs_onednn
+@needs_panels
+def test_float32_linears_get_panels_for_decode_batches():
+    """Inputs of at most PANEL_MAX_IN_FEATURES: a panel copy for `panel_rows()`. Where a dense
+    weight is held (small weights, the LM head) the other batches go to it and there is no
+    oneDNN copy; the large per-layer weights keep oneDNN's copy instead of a dense one."""
+    small = prepack_linear(nn.Linear(256, 256, bias=False), keep_dense=False, support=AVX2)
+    assert small.panel_rows == cpu_dense.panel_rows() and small.weight is not None and small.packed is None
+    large = prepack_linear(nn.Linear(512, 512, bias=False), keep_dense=False, support=AVX2)
+    assert large.panel_rows == cpu_dense.panel_rows() and large.weight is None and large.packed is not None
+    head = prepack_linear(nn.Linear(512, 8192, bias=False), support=AVX2)
+    assert head.panel_rows == cpu_dense.panel_rows() and head.weight is not None and head.packed is None
+    wide = prepack_linear(nn.Linear(cpu_dense.PANEL_MAX_IN_FEATURES + 1, 512, bias=False), keep_dense=False,
+                          support=AVX2)
+    assert wide.panels is None and wide.packed is not None
+    assert not cpu_dense.can_use_panels(torch.zeros(512, 512, dtype=BF16))
+
+
+@needs_onednn
+@needs_panels
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 63, 64, 96, 97, 300])
+@pytest.mark.parametrize("kind", ["small", "large", "head"])
+def test_each_batch_goes_to_the_copy_its_row_count_picks(rows, kind, monkeypatch):
+    """`panel_rows()` rows: the panels (equal to F.linear up to summation order); other counts:
+    oneDNN for a large per-layer weight, else F.linear on the dense weight (MKL's, bitwise)."""
+    torch.manual_seed(rows)
+    linear = {"small": nn.Linear(256, 512, bias=True), "large": nn.Linear(512, 1024, bias=True),
+              "head": nn.Linear(512, 8192, bias=False)}[kind]
+    layer = prepack_linear(linear, keep_dense=kind == "head")
+    used = []
+    panels_call, onednn = cpu_native.PanelLinear.__call__, torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_native.PanelLinear, "__call__", lambda self, x: used.append("panels") or panels_call(self, x))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: used.append("onednn") or onednn(*a))
+    x = torch.randn(rows, linear.in_features)
+    with torch.inference_mode():
+        got, want = layer(x), F.linear(x, linear.weight, linear.bias)
+    if rows in cpu_dense.panel_rows():
+        assert used == ["panels"]
+    elif kind == "large":
+        assert used == ["onednn"]
+    else:
+        assert used == [] and torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
 @pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 63, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_prepacked_linear_multiplies_packed_only_the_rows_it_is_faster_for(rows, with_bias, monkeypatch):
-    """A small float32 weight: a batch of PACKED_ROWS rows goes through the packed copy (equal
-    to F.linear up to summation order), any other is F.linear itself (MKL's products, bitwise)."""
+    """A small float32 weight without panels: a batch of PACKED_ROWS rows goes through the
+    packed copy (equal to F.linear up to summation order), any other is F.linear itself (MKL's
+    products, bitwise)."""
+    monkeypatch.setattr(cpu_dense, "PANEL_MAX_IN_FEATURES", 0)
     torch.manual_seed(rows)
     linear = nn.Linear(256, 512, bias=with_bias)
     layer = prepack_linear(linear, keep_dense=False)
@@ -266,11 +326,17 @@ def test_prepacked_head_logits_match_transformers(tmp_path, tie, one_torch_threa
 
 
 @needs_onednn
+@pytest.mark.parametrize("panels", [True, False])
 @pytest.mark.parametrize("packed_only", [True, False])
-def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_dir, monkeypatch, packed_only):
+def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_dir, monkeypatch, packed_only, panels):
     # Every linear of the tiny model qualifies: large (packed only), or small (the dense weight
-    # kept for batches outside PACKED_ROWS, so both paths run here).
+    # kept for batches outside PACKED_ROWS, so both paths run here); with panels, decode batches
+    # and short chunks go to them.
+    if panels and not cpu_native.available():
+        pytest.skip("no native CPU kernels (no C compiler)")
     monkeypatch.setattr(cpu_dense, "SMALL_PREPACK_MIN_ELEMENTS", 1)
+    if not panels:
+        monkeypatch.setattr(cpu_dense, "PANEL_MAX_IN_FEATURES", 0)
     if packed_only:
         monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS", 1)
     reqs = engine_requests(8, 1024, seed=21, max_len=40, max_new=(4, 12))
@@ -282,4 +348,14 @@ def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_d
         assert all(isinstance(m, PrepackedLinear) for m in linears)
         # Packed only: the dense per-layer weights are not held a second time.
         assert all((m.weight is None) == packed_only for m in linears)
+        assert all((m.panels is not None) == panels for m in linears)
     assert_matches_hf(tiny_model_dir, reqs)
+
+
+def test_panel_rows_follow_the_builds_panel_width(monkeypatch):
+    """Measured per instruction set: an AVX2 build's panels (three rows a pass) lose to oneDNN
+    from 32 rows, an AVX-512 build's (six) only from about 128; an unknown width gets none."""
+    for width, rows in [(64, range(1, 97)), (32, range(1, 17)), (48, None), (None, None)]:
+        monkeypatch.setattr(cpu_native, "panel_width", lambda width=width: width)
+        assert cpu_dense.panel_rows() == rows
+        assert cpu_dense.can_use_panels(torch.zeros(64, 256)) == (rows is not None)
