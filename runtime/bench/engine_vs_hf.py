@@ -1,6 +1,7 @@
 """Our engine against Hugging Face transformers on the CPU: same model, same workload, one run.
 
     python -m tokenlane.runtime.bench.engine_vs_hf --json out.json
+    python -m tokenlane.runtime.bench.engine_vs_hf --systems tokenlane,hf-static-32 --rounds 3
 
 Model: LlamaConfig(vocab 32000, hidden 512, intermediate 1376, 4 layers, 8 heads,
 4 KV heads, untied embeddings), float32, random weights from torch.manual_seed(0).
@@ -8,7 +9,8 @@ Workload: 64 requests from random.Random(0): for each request, prompt length U[1
 then max_new_tokens U[8, 128], then the prompt's token ids U[3, 32000); greedy; EOS
 ignored; all submitted at t=0.
 
-Systems, run one after the other with the same torch thread count (default 2):
+Systems, run one after the other with the same torch thread count (default 2); with
+`--rounds N`, N times round-robin, each system's row then being its median run:
   tokenlane        LLMEngine + ModelExecutor (continuous batching, paged KV cache)
   tokenlane-kv-bf16  the same with `engine.kvCacheDtype: bfloat16` (not run by default: K/V
                    rounded to bf16, so its greedy tokens may differ)
@@ -350,7 +352,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--matmul-seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the systems this many times, round-robin; each system's row is its "
+                             "median run, and each round's ratio to the best HF mode is printed (on a "
+                             "shared host the machine's speed drifts between runs)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     import torch
 
@@ -363,30 +371,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; known: {sorted(known)}")
 
-    results: list[SystemResult] = []
+    runs: dict[str, list[SystemResult]] = {name: [] for name in systems}
     with tempfile.TemporaryDirectory(prefix="tokenlane-bench-") as tmp:
         model_dir = Path(tmp) / "llama-512"
         hf_model = build_model(model_dir)
-        for name in systems:
-            # The host may be shared: a short GEMM probe before each system shows how much
-            # of the machine it had (reported next to its numbers).
-            probe = max(measure_matmul_flops(args.threads, 0.6, shapes=[(1024, 1024, 1024)]).values())
-            print(f"running {name} (GEMM probe {probe / 1e9:.0f} GFLOP/s) ...", file=sys.stderr, flush=True)
-            if name.startswith("tokenlane"):
-                res = run_tokenlane(model_dir, work, max_batched_tokens=args.max_batched_tokens,
-                                    chunk=args.prefill_chunk, block_size=args.block_size, name=name,
-                                    kv_cache_dtype="bfloat16" if name.endswith("kv-bf16") else "auto")
-            elif name == "hf-continuous":
-                res = run_hf_continuous(hf_model, work)
-            else:
-                res = run_hf_static(hf_model, work, int(name.rsplit("-", 1)[1]))
-            res.extra["gemm_probe_gflops"] = probe / 1e9
-            results.append(res)
-            print(f"  {res.tokens_per_s:8.1f} tok/s  wall {res.wall_s:6.2f}s", file=sys.stderr, flush=True)
+        for round_no in range(args.rounds):
+            for name in systems:
+                # The host may be shared: a short GEMM probe before each system shows how much
+                # of the machine it had (reported next to its numbers).
+                probe = max(measure_matmul_flops(args.threads, 0.6, shapes=[(1024, 1024, 1024)]).values())
+                label = f" (round {round_no + 1}/{args.rounds})" if args.rounds > 1 else ""
+                print(f"running {name}{label} (GEMM probe {probe / 1e9:.0f} GFLOP/s) ...", file=sys.stderr, flush=True)
+                if name.startswith("tokenlane"):
+                    res = run_tokenlane(model_dir, work, max_batched_tokens=args.max_batched_tokens,
+                                        chunk=args.prefill_chunk, block_size=args.block_size, name=name,
+                                        kv_cache_dtype="bfloat16" if name.endswith("kv-bf16") else "auto")
+                elif name == "hf-continuous":
+                    res = run_hf_continuous(hf_model, work)
+                else:
+                    res = run_hf_static(hf_model, work, int(name.rsplit("-", 1)[1]))
+                res.extra["gemm_probe_gflops"] = probe / 1e9
+                runs[name].append(res)
+                print(f"  {res.tokens_per_s:8.1f} tok/s  wall {res.wall_s:6.2f}s", file=sys.stderr, flush=True)
 
+    # Each system's row: its median run (the lower one of an even count).
+    results = [sorted(runs[name], key=lambda r: r.tokens_per_s)[(args.rounds - 1) // 2] for name in systems]
     reference = results[0]
-    for res in results[1:]:
-        compare(reference, res)
+    for name in systems[1:]:
+        for res in runs[name]:
+            compare(reference, res)
+    hf_names = [name for name in systems if name.startswith("hf-")]
+    per_round = [runs[reference.name][i].tokens_per_s / max(runs[name][i].tokens_per_s for name in hf_names)
+                 for i in range(args.rounds)] if hf_names else []
     gemm = measure_matmul_flops(args.threads, args.matmul_seconds)
     peak = max(gemm.values())
     flops = workload_flops(work)
@@ -419,6 +435,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"= {limit_s:.2f} s -> {limit_tps:.0f} output tok/s")
     print(f"serial bound: + {kv_bytes / 1e9:.1f} GB of float32 K/V read by the decodes / "
           f"{read_bw / 1e9:.1f} GB/s measured = {serial_s:.2f} s -> {serial_tps:.0f} output tok/s")
+    if args.rounds > 1:
+        print(f"{args.rounds} rounds (rows: each system's median run); {reference.name} / the round's best HF "
+              f"mode, per round: {', '.join(f'{x:.2f}x' for x in per_round) or 'no HF system run'}")
 
     if args.json:
         doc = {
@@ -439,6 +458,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for r in results
             ],
             "reference_system": reference.name,
+            "rounds": [{name: runs[name][i].tokens_per_s for name in systems} for i in range(args.rounds)],
+            "per_round_speedup_vs_best_hf": per_round,
             "matmul_gflops_measured": {k: v / 1e9 for k, v in gemm.items()},
             "workload_gflop": {k: v / 1e9 for k, v in flops.items()},
             "matmul_bound_seconds": limit_s,

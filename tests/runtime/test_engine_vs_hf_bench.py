@@ -49,3 +49,16 @@ def test_two_request_run_writes_json(tmp_path):
         assert s["output_tokens"] == doc["workload"]["output_tokens"]
         assert s["output_tokens_per_s"] > 0
     assert doc["matmul_bound_output_tokens_per_s"] > doc["serial_bound_output_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_rounds_report_each_systems_median_run_and_each_rounds_ratio(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert bench.main(["--num-requests", "2", "--matmul-seconds", "0.2", "--json", str(out),
+                       "--systems", "tokenlane,hf-static-8", "--rounds", "3"]) == 0
+    doc = json.loads(out.read_text())
+    assert [sorted(r) for r in doc["rounds"]] == [["hf-static-8", "tokenlane"]] * 3
+    for s in doc["systems"]:
+        assert s["output_tokens_per_s"] == sorted(r[s["name"]] for r in doc["rounds"])[1]
+    assert doc["per_round_speedup_vs_best_hf"] == [r["tokenlane"] / r["hf-static-8"] for r in doc["rounds"]]
+    assert "3 rounds" in capsys.readouterr().out
