@@ -27,8 +27,9 @@ single rows included: on a 2-core Zen 4, MKL's matrix-vector product of one row 
 Panels. A float32 weight of at most PANEL_MAX_IN_FEATURES input features (the hidden sizes of
 the small models a CPU serves) also gets a copy packed into panels for the native kernel
 (kernels/cpu_native.py's PanelLinear), and batches of `panel_rows()` rows (decode steps)
-multiply it: 1-96 in an AVX-512 build, 1-16 in an AVX2 one. It keeps a pass's sums in registers and fetches a panel's weights while multiplying the
-one before, where oneDNN's first pass over each block waits for memory: decode steps of the 19M
+multiply it: 1-96 in an AVX-512 build, 1-16 in an AVX2 one. It keeps a pass's sums in
+registers and fetches a panel's weights while multiplying the one before, where oneDNN's first
+pass over each block waits for memory: decode steps of the 19M
 test model ran 1.15x (16 sequences) and 1.07x (64) faster, of the 44M model of
 runtime/bench/engine_vs_hf 1.11x and 1.08x (2-core Xeon, AVX-512, whole engine steps with the
 two forms alternated). From 128 rows oneDNN is as fast, and from a few hundred faster (no
@@ -37,7 +38,8 @@ rows: those keep oneDNN. An AVX2 build (three rows by four 8-float vectors a pas
 MKL limited to AVX2 too, same host) was 1.1-1.5x faster at 1-16 rows, 0.7-0.9x at 32-96 for
 the 44M model's layers. Where the dense weight is held (the small weights, the LM head), the
 other batches go to it (MKL) and there is no oneDNN copy, so the memory is as before; the
-larger per-layer weights keep oneDNN's copy for prefill, so those are held twice.
+larger per-layer weights keep oneDNN's copy for prefill, so those are held twice (up to twice
+the per-layer weight memory).
 
 bfloat16 weights are prepacked too where the CPU multiplies bf16 natively (AVX512-BF16 or
 AMX: where `cpuComputeDtype: auto` keeps bf16). `F.linear` in bf16 already goes to oneDNN
