@@ -421,14 +421,24 @@ static void tl_attend(const tl_job *j, int item, float *scores, float *row, floa
     const int per_decode = j->hkv / j->heads_per_item;
     const int decode = item / per_decode, h0 = item % per_decode * j->heads_per_item;
     const int h1 = h0 + j->heads_per_item;
-    switch (j->d * 128 + j->hq / j->hkv) { /* G <= TL_MAX_GROUP < 128: one key per shape */
+    const int group = j->hq / j->hkv;
+    switch (j->d * 128 + group) { /* G <= TL_MAX_GROUP < 128: one key per shape */
     TL_FIXED(32, 1); TL_FIXED(32, 2); TL_FIXED(32, 4); TL_FIXED(32, 8);
     TL_FIXED(64, 1); TL_FIXED(64, 2); TL_FIXED(64, 4); TL_FIXED(64, 8);
     TL_FIXED(128, 1); TL_FIXED(128, 2); TL_FIXED(128, 4); TL_FIXED(128, 8);
-    default:
-        for (int h = h0; h < h1; ++h)
-            tl_attend_any(j, decode, h, scores, row, acc);
     }
+    /* The other groups up to TL_MAX_GROUP_FIXED (3, 5, 6, 7: SmolLM, Qwen2.5 and Llama-3.2
+     * shapes) take the vector path with G known only at run time: one more build of it per head
+     * size instead of one per shape (each costs seconds of compile time), at most 10% slower
+     * than a compiled G and 2-3x the generic loop's speed. */
+    if (group <= TL_MAX_GROUP_FIXED)
+        switch (j->d) {
+        case 32: tl_attend_fixed(j, decode, h0, h1, scores, acc, 32, group); return;
+        case 64: tl_attend_fixed(j, decode, h0, h1, scores, acc, 64, group); return;
+        case 128: tl_attend_fixed(j, decode, h0, h1, scores, acc, 128, group); return;
+        }
+    for (int h = h0; h < h1; ++h)
+        tl_attend_any(j, decode, h, scores, row, acc);
 }
 
 static void *tl_worker(void *arg) {
@@ -553,8 +563,8 @@ static inline float tl_from_bf16(uint16_t b) {
  * query row r of chunk c (flat batch row q_starts[c] + r) sits at position
  * p = ctx_lens[c] - q_lens[c] + r and attends to keys 0..p of block-table row seqs[c] (the
  * chunk's own keys are in the cache already: the model writes them first). A work item is
- * up to TL_VL consecutive query rows of one chunk, for `gh` query heads of one KV head (all G
- * of them while G * D <= 128, else one: TL_PREFILL_HEADS). The rows are the vector lanes: each
+ * up to TL_VL consecutive query rows of one chunk, for `gh` query heads of one KV head (up to
+ * four, as many as fit in L1: TL_PREFILL_HEADS). The rows are the vector lanes: each
  * query is transposed once per item into D vectors of TL_VL rows, and every score and weighted
  * value is then a vector times one element of a cache row, broadcast, so K and V are read as
  * they lie in the cache, with no transposes. Keys go by in chunks of TL_VL: the chunk's scores,
@@ -625,7 +635,7 @@ static inline __attribute__((always_inline)) void tl_prefill_item(
     const int first_pos = j->ctx_lens[c] - q_len + r0, last_pos = first_pos + rows - 1;
     const int32_t *table = j->tables + (int64_t)j->seqs[c] * j->table_stride;
     const int64_t kv_off = (int64_t)kv * j->c_head;
-    const int KB = GH >= 4 ? 4 : GH == 2 || TL_VL == 8 ? 8 : 16; /* keys (columns) a pass: GH * KB <= 16 */
+    const int KB = GH >= 3 ? 4 : GH == 2 || TL_VL == 8 ? 8 : 16; /* keys (columns) a pass: GH * KB <= 16 */
     tl_vf qt[GH][D], acc[GH][D], max[GH], sum[GH];
     tl_vi pos; /* each lane's position; lanes past the chunk repeat its last row */
     for (int i = 0; i < TL_VL; ++i)
@@ -720,11 +730,16 @@ static inline __attribute__((always_inline)) void tl_prefill_item(
     }
 }
 
-/* The query heads of one item: all G of a KV head while their queries and accumulators fit
- * (G * D <= 128 vectors each), else one. */
-#define TL_PREFILL_HEADS(D, G) ((D) * (G) <= 128 ? (G) : 1)
-#define TL_PREFILL(D, G)                                                                  \
-    case (D) * 128 + (G): tl_prefill_item(j, c, r0, h0, (D), TL_PREFILL_HEADS(D, G)); return
+/* The query heads of one item: the most, of 4, 3, 2 and 1, that divides G (an item's heads
+ * share one KV head) and whose queries and accumulators stay in L1 (GH * D <= 192 vectors
+ * each: 24 KiB of each with AVX-512). So the kernel is built once per head size and heads per
+ * item (seven builds), and any G takes it. Three heads a pass instead of one: G = 3 and 6
+ * with head size 64 ran 1.3-1.6x faster (SmolLM's and Qwen2.5-1.5B's groups). */
+#define TL_PREFILL_FITS(D, G, GH) ((G) % (GH) == 0 && (D) * (GH) <= 192)
+#define TL_PREFILL_HEADS(D, G)                                                                   \
+    (TL_PREFILL_FITS(D, G, 4) ? 4 : TL_PREFILL_FITS(D, G, 3) ? 3 : TL_PREFILL_FITS(D, G, 2) ? 2 : 1)
+#define TL_PREFILL(D, GH) \
+    case (D) * 128 + (GH): tl_prefill_item(j, c, r0, h0, (D), (GH)); return
 
 /* Work item `item`: the chunk it falls in, its row tile (the chunk's last tile first: it has
  * the most keys) and its heads. */
@@ -735,18 +750,19 @@ static void tl_prefill_attend(const tl_prefill_job *j, int item) {
     const int groups = j->hq / j->gh, local = item - j->first_item[c];
     const int tiles = (j->q_lens[c] + TL_VL - 1) / TL_VL;
     const int r0 = (tiles - 1 - local / groups) * TL_VL, h0 = local % groups * j->gh;
-    switch (j->d * 128 + j->hq / j->hkv) {
-    TL_PREFILL(32, 1); TL_PREFILL(32, 2); TL_PREFILL(32, 4); TL_PREFILL(32, 8);
-    TL_PREFILL(64, 1); TL_PREFILL(64, 2); TL_PREFILL(64, 4); TL_PREFILL(64, 8);
+    switch (j->d * 128 + j->gh) {
+    TL_PREFILL(32, 1); TL_PREFILL(32, 2); TL_PREFILL(32, 3); TL_PREFILL(32, 4);
+    TL_PREFILL(64, 1); TL_PREFILL(64, 2); TL_PREFILL(64, 3);
     }
 }
 
 /* Whether tl_paged_prefill_attention takes this head size and query heads per KV head. Head
- * size 128 is left to torch's SDPA, whose flash kernel multiplies such heads as GEMMs: 0.8x of
- * its speed here on a 300-token prompt of Llama-3-8B's shape (32 query heads, 8 KV heads),
- * against 1.1-2.1x for head sizes 32 and 64 (2-core Xeon). */
+ * size 128 is left to torch's SDPA, whose flash kernel multiplies such heads as GEMMs: built
+ * for it (one head an item), this kernel ran 1.2-2.5x SDPA's speed on 100-300-token prompts of
+ * Llama-3 shapes but 0.6-0.75x on 1024 tokens, against 1.3-3.5x for head sizes 32 and 64 with
+ * two or more heads an item (2-core Xeon). */
 int tl_prefill_supported(int d, int group) {
-    return (d == 32 || d == 64) && (group == 1 || group == 2 || group == 4 || group == 8);
+    return (d == 32 || d == 64) && group >= 1 && group <= TL_MAX_GROUP;
 }
 
 /* Returns TL_OK, or an error code with nothing written (TL_BAD_SHAPE when a shape is not

@@ -405,7 +405,7 @@ def _launchable(query, key_cache, value_cache, block_tables, out, index: dict[st
 @functools.lru_cache(maxsize=None)
 def prefill_supported(head_dim: int, group: int) -> bool:
     """Whether `paged_prefill_attention` takes this head size and query heads per KV head
-    (head sizes 32 and 64; 1, 2, 4 or 8 query heads per KV head). Asked for every layer, so
+    (head sizes 32 and 64, up to MAX_GROUP query heads per KV head). Asked for every layer, so
     answered once per shape."""
     lib = load()
     return lib is not None and bool(lib.tl_prefill_supported(head_dim, group))
@@ -434,8 +434,8 @@ def paged_prefill_attention(
     t, hq, d = query.shape
     num_blocks, block_size, hkv, _ = key_cache.shape
     if hq % hkv or not lib.tl_prefill_supported(d, hq // hkv):
-        raise ValueError(f"prefill attention takes head sizes 32 and 64 and 1, 2, 4 or 8 query heads "
-                         f"per KV head, got head size {d}, {hq} query heads, {hkv} KV heads")
+        raise ValueError(f"prefill attention takes head sizes 32 and 64 and a whole number of query heads "
+                         f"per KV head (at most {MAX_GROUP}), got head size {d}, {hq} query heads, {hkv} KV heads")
     n = q_lens.numel()
     if n == 0:
         return out
@@ -507,7 +507,7 @@ def paged_decode_attention(
 
 
 def panel_width() -> Optional[int]:
-    """Output columns per panel of `pack_panels` in this build (four of its widest float
+    """Output columns per panel of `PanelLinear` in this build (four of its widest float
     vectors: 64 with AVX-512, else 32), or None without the native kernels."""
     lib = load()
     return None if lib is None else lib.tl_panel_width()
