@@ -31,7 +31,7 @@ multiply it: 1-96 in an AVX-512 build, 1-16 in an AVX2 one. It keeps a pass's su
 and fetches a panel's weights while multiplying the one before, where oneDNN's first pass over
 each block waits for memory: decode steps of the 19M test model ran 1.15-1.17x (16 sequences)
 and 1.06-1.07x (64) faster, of the 44M model of runtime/bench/engine_vs_hf (its down
-projection, 1376 inputs, left on oneDNN) 1.08x and 1.10x (2-core Xeon, AVX-512, whole engine
+projection, 1376 inputs, left on oneDNN) 1.06x and 1.11x (2-core Xeon, AVX-512, whole engine
 steps with the two forms alternated in one engine). From 128 rows oneDNN is as fast, and from a
 few hundred faster (no blocking for the caches). With wider inputs the gain goes: 896-1536
 input features, 0.9-1.2x of oneDNN's speed at 1-96 rows (weights cold), 4096 features
