@@ -513,7 +513,6 @@ def panel_width() -> Optional[int]:
     return None if lib is None else lib.tl_panel_width()
 
 
-
 class PanelLinear:
     """`F.linear(x, weight, bias)` for float32 CPU inputs, through `tl_linear_panels`: the
     weight [N, K] is packed once into panels of `panel_width()` output columns ([ceil(N /

@@ -30,7 +30,7 @@ the smallest models) also gets a copy packed into panels for the native kernel
 multiply it: 1-96 in an AVX-512 build, 1-16 in an AVX2 one. It keeps a pass's sums in registers
 and fetches a panel's weights while multiplying the one before, where oneDNN's first pass over
 each block waits for memory: decode steps of the 19M test model ran 1.15-1.17x (16 sequences)
-and 1.06-1.07x (64) faster, of the 44M model of runtime/bench/engine_vs_hf (its down
+and 1.06-1.08x (64) faster, of the 44M model of runtime/bench/engine_vs_hf (its down
 projection, 1376 inputs, left on oneDNN) 1.06x and 1.11x (2-core Xeon, AVX-512, whole engine
 steps with the two forms alternated in one engine). From 128 rows oneDNN is as fast, and from a
 few hundred faster (no blocking for the caches). With wider inputs the gain goes: 896-1536
