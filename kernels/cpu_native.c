@@ -1078,6 +1078,8 @@ int tl_rms_norm(const void *x, int64_t rows, int64_t cols, int64_t x_stride, con
  * without OpenMP). */
 
 #define TL_NR (4 * TL_VL)                  /* output columns per panel: four vectors */
+/* tl_vf that may sit anywhere: a panel need not start on a vector boundary. */
+typedef float tl_vf_u __attribute__((vector_size(4 * TL_VL), aligned(4)));
 #define TL_MR (TL_VL == 16 ? 6 : 3)        /* rows per pass: TL_MR x 4 sums, 4 weights in registers */
 #define TL_LINEAR_CHUNK 96                 /* rows per work item (at most) */
 
@@ -1096,9 +1098,8 @@ static inline __attribute__((always_inline)) void tl_linear_pass(
     for (int64_t kk = 0; kk < k; ++kk) {
         for (int64_t l = kk * per_k; l < (kk + 1) * per_k && l < pf_lines; ++l)
             __builtin_prefetch(pf + l * 64, 0, 2);
-        /* An unaligned vector type: a panel need not start on a vector boundary. (A memcpy
-         * into a tl_vf array here kept the sums in memory: 3-4x slower.) */
-        typedef float tl_vf_u __attribute__((vector_size(4 * TL_VL), aligned(4)));
+        /* Read in place through tl_vf_u (a memcpy into a tl_vf array here kept the sums in
+         * memory: 3-4x slower). */
         const tl_vf_u *w = (const tl_vf_u *)(panel + kk * TL_NR);
         for (int i = 0; i < MR; ++i) {
             const float xv = x[i * xs + kk];
