@@ -158,6 +158,14 @@ class AsyncEngine:
         self._wake()
         return streams
 
+    async def submit_async(self, request: Request) -> RequestStream:
+        """`submit` for callers that also serve an engine core in another process, where
+        admission is a round trip (runtime/engine_core.py)."""
+        return self.submit(request)
+
+    async def submit_group_async(self, requests: list[Request]) -> list[RequestStream]:
+        return self.submit_group(requests)
+
     def _check_open(self, requests: list[Request]) -> None:
         """Refuse new work while draining, after the loop died, or under an id in use."""
         refusal = None

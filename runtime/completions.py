@@ -299,9 +299,9 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
         group = jobs[p * per_prompt : (p + 1) * per_prompt]
         try:
             if per_prompt == 1:
-                group[0].stream = state.async_engine.submit(group[0].request)
+                group[0].stream = await state.async_engine.submit_async(group[0].request)
             else:  # the prompt's sequences are admitted together (they share its KV)
-                streams = state.async_engine.submit_group([job.request for job in group])
+                streams = await state.async_engine.submit_group_async([job.request for job in group])
                 for job, stream in zip(group, streams):
                     job.stream = stream
         except AdmissionError as exc:

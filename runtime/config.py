@@ -292,6 +292,8 @@ class EngineConfig:
     seed: int = 0
     # torch compute threads of the engine on the CPU; unset = auto (docs/configuration.md).
     cpu_threads: Optional[int] = None
+    # The step loop in a process of its own (runtime/engine_core.py), off the HTTP server's GIL.
+    core_process: bool = False
 
     def __post_init__(self) -> None:
         _check(1 <= self.block_size <= 256, "blockSize", f"must be in [1, 256], got {self.block_size}")

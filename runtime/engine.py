@@ -106,6 +106,9 @@ class RequestOutput:
     # Every prompt token's logprob (entry 0 None), on the request's first output only, when
     # it asked for prompt logprobs.
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # When the request was first scheduled (engine clock), for a front that holds only a
+    # copy of the request (the engine core process's API side: X-Queue-Delay-Ms).
+    scheduled_at: Optional[float] = None
 
 
 class _TextState:
@@ -634,6 +637,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             new_logprobs=new_logprobs,
             prompt_logprobs=prompt_logprobs,
+            scheduled_at=request.first_scheduled_time,
         )
 
     # ------------------------------------------------------------------ observers

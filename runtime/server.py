@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-continuous-batching", action="store_true",
                    help="engine.continuousBatching=false (request-level static batching)")
     g.add_argument("--no-prefix-caching", action="store_true", help="engine.enablePrefixCaching=false")
+    g.add_argument("--core-process", action="store_true",
+                   help="engine.coreProcess=true (the step loop in a process of its own)")
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM, time in-flight requests get to finish (default 30)")
     p.add_argument("--config-poll-seconds", type=float, default=1.0,
@@ -93,6 +95,8 @@ def apply_overrides(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeC
         engine_changes["continuous_batching"] = False
     if args.no_prefix_caching:
         engine_changes["enable_prefix_caching"] = False
+    if args.core_process:
+        engine_changes["core_process"] = True
     try:
         model = dataclasses.replace(config.model, **model_changes)
     except ConfigError as exc:
@@ -191,10 +195,13 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
         print(f"tokenlane serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
 
-    from tokenlane.runtime.async_engine import AsyncEngine
+    if config.engine.core_process:
+        from tokenlane.runtime.engine_core import ProcessEngine as front
+    else:
+        from tokenlane.runtime.async_engine import AsyncEngine as front
 
     try:
-        async_engine = AsyncEngine.from_config(config)
+        async_engine = front.from_config(config)
     except (ValueError, OSError) as exc:
         print(f"tokenlane serve: cannot load {config.model.path}: {exc}", file=sys.stderr)
         return 1

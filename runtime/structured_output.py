@@ -88,8 +88,9 @@ class GrammarCompiler:
         import xgrammar
 
         stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                      stop_token_ids=stop)
+        self._compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=1)
 
     @classmethod
     def of(cls, tokenizer: Any, vocab_size: int) -> "GrammarCompiler":
@@ -113,6 +114,13 @@ class GrammarCompiler:
             return self._compiler.compile_grammar(ebnf)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
             raise ValueError(f"the schema cannot be compiled to a grammar: {exc}") from None
+
+    def load(self, serialized: str) -> Any:
+        """A compiled grammar back from `serialize_json()` (made against the same tokenizer in
+        another process: the engine core's requests)."""
+        import xgrammar
+
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
 
     def json_object(self) -> Any:
         """Any JSON object."""

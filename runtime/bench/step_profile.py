@@ -3,6 +3,7 @@
     python -m tokenlane.runtime.bench.step_profile                       # offline, N=64, fp32
     python -m tokenlane.runtime.bench.step_profile --running 16 64 --dtype float32 bfloat16
     python -m tokenlane.runtime.bench.step_profile --http --cpu-threads 1 2   # alternated
+    python -m tokenlane.runtime.bench.step_profile --http --step-loop thread process
     python -m tokenlane.runtime.bench.step_profile --attention-backend torch native --rounds 2
     python -m tokenlane.runtime.bench.step_profile --json out.json
 
@@ -27,6 +28,10 @@ event loop, or the GIL while the loop serves the streams), of which output dispa
 step (main-thread CPU clock: SSE framing and HTTP for every stream) and the step thread's
 CPU share of its wall time (below 1: it waited for the GIL or a core). `--cpu-threads`
 values run alternately (A B A B ...) with `engine.cpuThreads` set, for side-by-side ratios.
+`--step-loop process` serves with `engine.coreProcess: true`: the recorder then sits in the
+engine core process, loop gap is the core's time between steps, of which output dispatch is
+its hand-off of a step's outputs (pickle, queue for its writer thread), and the event loop's
+CPU is not measured (another process).
 
 "Host overhead" is everything but the forward pass: schedule + prepare inputs + sample +
 update + outputs + engine other + loop gap, as a share of the step cycle (start of one step
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -427,9 +433,39 @@ def serve_instrumented(stats_path: str, serve_argv: list[str]) -> int:
         return front
 
     async_module.AsyncEngine.from_config = classmethod(from_config)
+    # engine.coreProcess: the recorder goes into the core, which writes the records itself.
+    from tokenlane.runtime import engine_core
+
+    original_core = engine_core.ProcessEngine.from_config.__func__
+
+    def core_from_config(cls, config, on_start=None, log_level=None):
+        return original_core(cls, config, on_start=functools.partial(instrument_core, stats_path),
+                             log_level=log_level)
+
+    engine_core.ProcessEngine.from_config = classmethod(core_from_config)
     code = server.main(serve_argv, exit_when_served=False)
-    Path(stats_path).write_text(json.dumps(recorders[0].records if recorders else []))
+    if recorders:
+        Path(stats_path).write_text(json.dumps(recorders[0].records))
     return code
+
+
+def instrument_core(stats_path: str, core) -> Callable[[], None]:
+    """The engine core's `on_start` hook: a StepRecorder on its engine, with the hand-off of
+    each step's outputs to the API process (pickle, pipe) as the "output dispatch" part of
+    the loop gap; the records are written when the core stops."""
+    recorder = instrument(core.engine)
+    send_step, records = core._send_step, recorder.records
+
+    def timed_send_step(outputs):
+        t0 = time.perf_counter()
+        try:
+            return send_step(outputs)
+        finally:
+            if records and outputs:
+                records[-1]["stream"] = records[-1].get("stream", 0.0) + time.perf_counter() - t0
+
+    core._send_step = timed_send_step
+    return lambda: Path(stats_path).write_text(json.dumps(recorder.records))
 
 
 async def _stream_clients(base_url: str, prompts: list[list[int]], max_tokens: int) -> list[float]:
@@ -455,7 +491,7 @@ async def _stream_clients(base_url: str, prompts: list[list[int]], max_tokens: i
 
 
 def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu_threads: Optional[int],
-                 workdir: Path, attention_backend: str = "auto") -> dict[str, Any]:
+                 workdir: Path, attention_backend: str = "auto", step_loop: str = "thread") -> dict[str, Any]:
     import yaml
 
     from tokenlane.runtime.bench.serve_proc import free_port
@@ -465,13 +501,15 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
     engine_cfg: dict[str, Any] = {"device": "cpu", "blockSize": 16, "attentionBackend": attention_backend}
     if cpu_threads is not None:
         engine_cfg["cpuThreads"] = cpu_threads
+    if step_loop == "process":
+        engine_cfg["coreProcess"] = True
     config = {
         "model": {"path": str(model_dir), "dtype": dtype},
         "engine": engine_cfg,
         "scheduler": {"maxActiveSequences": running, "maxWaitingRequests": 4096, "maxBatchedTokens": 2048,
                       "prefillChunkSize": 512, "queueTimeoutMs": 3_600_000, "streamIdleTimeoutMs": 600_000},
     }
-    tag = f"{dtype}-{running}-{cpu_threads}-{attention_backend}-{port}"
+    tag = f"{dtype}-{running}-{cpu_threads}-{attention_backend}-{step_loop}-{port}"
     config_path = workdir / f"{tag}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     stats_path = workdir / f"{tag}.steps.json"
@@ -506,7 +544,7 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
     records = json.loads(stats_path.read_text())
     return {
         "mode": "http", "dtype": dtype, "running": running, "cpu_threads": cpu_threads,
-        "attention_backend": attention_backend,
+        "attention_backend": attention_backend, "step_loop": step_loop,
         "itl_p50_ms": 1000 * statistics.median(gaps),
         "decode": summarize(steady(records, running, mixed=False)),
         "mixed": summarize(steady(records, running, mixed=True)),
@@ -527,6 +565,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
                     name += f" t={result['cpu_threads']}"
                 if result.get("attention_backend", "auto") != "auto":
                     name += f" {result['attention_backend']}"
+                if result.get("step_loop", "thread") != "thread":
+                    name += f" {result['step_loop']}"
                 columns.append((name, summary, result))
     if not columns:
         return "(no steady-state steps recorded)"
@@ -571,6 +611,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--attention-backend", nargs="+", default=["auto"],
                    choices=["auto", "torch", "native"],
                    help="engine.attentionBackend values run alternately (default auto)")
+    p.add_argument("--step-loop", nargs="+", default=["thread"], choices=["thread", "process"],
+                   help="--http: the step loop in the server's process (thread) or its own "
+                        "(process: engine.coreProcess), run alternately (default thread)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the alternation (default 1)")
     p.add_argument("--max-tokens", type=int, default=96, help="--http: tokens per request (default 96)")
     p.add_argument("--json", help="write the results to this file")
@@ -589,9 +632,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for running in args.running:
                     for setting in settings:
                         for backend in args.attention_backend:
-                            results.append(http_profile(model_dir, dtype, running, args.max_tokens, setting,
-                                                        workdir, backend))
-                            print(format_table(results[-1:]), flush=True)
+                            for step_loop in args.step_loop:
+                                results.append(http_profile(model_dir, dtype, running, args.max_tokens, setting,
+                                                            workdir, backend, step_loop))
+                                print(format_table(results[-1:]), flush=True)
     else:
         for _ in range(args.rounds):
             for dtype in args.dtype:

@@ -101,3 +101,14 @@ def test_http_mode_profiles_a_real_server(tiny_model_dir, tmp_path):
     assert decode["steps"] >= 5
     assert decode["phase_ms"]["loop_gap"] > 0 and decode["loop_cpu_ms_per_step"] > 0
     assert result["itl_p50_ms"] > 0
+
+
+@pytest.mark.slow  # a real `tokenlane serve` with its engine core process: ~20 s on two busy cores
+def test_http_mode_profiles_the_engine_core_process(tiny_model_dir, tmp_path):
+    result = step_profile.http_profile(tiny_model_dir, "float32", running=3, max_tokens=12, cpu_threads=1,
+                                       workdir=tmp_path, step_loop="process")
+    decode = result["decode"]
+    assert result["step_loop"] == "process" and decode["steps"] >= 5
+    # Recorded in the core: its hand-off of each step's outputs, no event loop of its own.
+    assert 0 < decode["phase_ms"]["stream"] <= decode["phase_ms"]["loop_gap"]
+    assert "loop_cpu_ms_per_step" not in decode
