@@ -33,7 +33,7 @@
 #endif
 
 enum { TL_FLOAT32 = 0, TL_BFLOAT16 = 1, TL_FLOAT16 = 2 };
-enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3 };
+enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3, TL_NAN = 4 };
 
 #define TL_MAX_GROUP 64  /* query heads per KV head */
 #define TL_MAX_HEADS 256 /* query heads of one work item (the vector path) */
@@ -1085,11 +1085,23 @@ typedef float tl_vf_u __attribute__((vector_size(4 * TL_VL), aligned(4)));
 
 int tl_panel_width(void) { return TL_NR; }
 
+/* Per-row state of a fused argmax (tl_linear_panels_argmax): for each row, one vector of the
+ * largest sum each lane has seen and its column. A lane sees its columns in increasing order,
+ * so a strict > keeps the first of equal maxima. */
+typedef struct {
+    float *best;     /* [rows][TL_VL] */
+    int32_t *column; /* [rows][TL_VL] */
+    int64_t col0;    /* the panel's first output column */
+    int nan;         /* set when a sum is NaN (the caller falls back to the logits) */
+} tl_argmax_state;
+
 /* Rows [0, MR) of x (row stride xs) times one panel [k][NR]; `ncols` (<= NR) columns of out
- * written. Meanwhile `pf_lines` 64-byte lines from `pf` are prefetched, spread over the k loop. */
+ * written, or with `am` the rows' argmax state updated instead (rows of am->best and
+ * am->column from this pass's first row on). Meanwhile `pf_lines` 64-byte lines from `pf` are
+ * prefetched, spread over the k loop. */
 static inline __attribute__((always_inline)) void tl_linear_pass(
     const float *x, int64_t xs, const float *panel, int64_t k, const float *bias, float *out,
-    int64_t os, int ncols, const char *pf, int64_t pf_lines, const int MR) {
+    int64_t os, int ncols, const char *pf, int64_t pf_lines, const int MR, tl_argmax_state *am) {
     tl_vf acc[TL_MR][4];
     for (int i = 0; i < MR; ++i)
         for (int v = 0; v < 4; ++v)
@@ -1114,6 +1126,32 @@ static inline __attribute__((always_inline)) void tl_linear_pass(
             for (int v = 0; v < 4; ++v)
                 acc[i][v] += b[v];
     }
+    if (am) {
+        tl_vi lane;
+        for (int l = 0; l < TL_VL; ++l)
+            lane[l] = l;
+        for (int i = 0; i < MR; ++i) {
+            tl_vf best;
+            tl_vi column, nan = {0};
+            memcpy(&best, am->best + i * TL_VL, sizeof best);
+            memcpy(&column, am->column + i * TL_VL, sizeof column);
+            for (int v = 0; v < 4; ++v) {
+                const tl_vi col = lane + (int32_t)(am->col0 + v * TL_VL);
+                const tl_vf y = acc[i][v];
+                /* Columns past n (the zero padding of the last panel) never win. */
+                const tl_vi valid = col < (int32_t)(am->col0 + ncols);
+                nan |= (y != y) & valid;
+                const tl_vi take = (y > best) & valid;
+                best = (tl_vf)((take & (tl_vi)y) | (~take & (tl_vi)best));
+                column = (take & col) | (~take & column);
+            }
+            for (int l = 0; l < TL_VL; ++l)
+                am->nan |= nan[l] != 0;
+            memcpy(am->best + i * TL_VL, &best, sizeof best);
+            memcpy(am->column + i * TL_VL, &column, sizeof column);
+        }
+        return;
+    }
     /* Stores by value (a copy of acc's address would keep the sums in memory, not registers). */
     for (int i = 0; i < MR; ++i) {
         if (ncols == TL_NR) {
@@ -1131,14 +1169,12 @@ static inline __attribute__((always_inline)) void tl_linear_pass(
 }
 
 #define TL_LINEAR_PASS(MR) \
-    tl_linear_pass(x + r * xs, xs, w, k, b, out + r * os + p * TL_NR, os, ncols, pf_at, pf_n, (MR))
+    tl_linear_pass(x + r * xs, xs, w, k, b, out ? out + r * os + p * TL_NR : NULL, os, ncols, pf_at, pf_n, (MR), am)
 
-/* Returns TL_OK, or TL_BAD_SHAPE with nothing written (m < 0, k or n < 1, a row stride
- * shorter than its row). `panels` holds ceil(n / tl_panel_width()) panels of [k][width]. */
-int tl_linear_panels(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n,
-                     const float *bias, float *out, int64_t os, int num_threads) {
-    if (m < 0 || k < 1 || n < 1 || xs < k || os < n)
-        return TL_BAD_SHAPE;
+/* tl_linear_panels, or with `argmax` (m <= TL_LINEAR_CHUNK) the first column of each row's
+ * largest sum instead of the sums. */
+static int tl_panels(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n,
+                     const float *bias, float *out, int64_t os, int64_t *argmax, int num_threads) {
     const int64_t num_panels = (n + TL_NR - 1) / TL_NR, chunks = (m + TL_LINEAR_CHUNK - 1) / TL_LINEAR_CHUNK;
     const int64_t items = num_panels * chunks;
     if (items == 0)
@@ -1151,8 +1187,21 @@ int tl_linear_panels(const float *x, int64_t m, int64_t k, int64_t xs, const flo
         num_threads = (int)items;
     if (num_threads < 1)
         num_threads = 1;
+    /* With argmax: each thread's best (value, column) per row, merged after the team. */
+    float *thread_best = NULL;
+    int32_t *thread_column = NULL;
+    int nan = 0;
+    if (argmax) {
+        thread_best = malloc(sizeof(float) * (size_t)(num_threads * m * (TL_VL + 1)));
+        thread_column = malloc(sizeof(int32_t) * (size_t)(num_threads * m * (TL_VL + 1)));
+        if (!thread_best || !thread_column) {
+            free(thread_best);
+            free(thread_column);
+            return TL_NO_MEMORY;
+        }
+    }
 #ifdef _OPENMP
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) reduction(| : nan)
 #endif
     {
 #ifdef _OPENMP
@@ -1161,6 +1210,13 @@ int tl_linear_panels(const float *x, int64_t m, int64_t k, int64_t xs, const flo
         const int t = 0, team = 1;
 #endif
         const int64_t first = items * t / team, last = items * (t + 1) / team;
+        /* This thread's lanes [m][TL_VL], then its merged result per row [m]. */
+        float *best = argmax ? thread_best + (int64_t)t * m * (TL_VL + 1) : NULL;
+        int32_t *column = argmax ? thread_column + (int64_t)t * m * (TL_VL + 1) : NULL;
+        for (int64_t i = 0; argmax && i < m * TL_VL; ++i) {
+            best[i] = -INFINITY;
+            column[i] = (int32_t)(first % num_panels * TL_NR); /* a row of -inf: its first column */
+        }
         for (int64_t it = first; it < last; ++it) {
             const int64_t p = it % num_panels, m0 = it / num_panels * rows_per_chunk;
             const int64_t m1 = m0 + rows_per_chunk < m ? m0 + rows_per_chunk : m;
@@ -1176,6 +1232,11 @@ int tl_linear_panels(const float *x, int64_t m, int64_t k, int64_t xs, const flo
                 const char *pf_at = next + done * 64;
                 const int64_t pf_n = share < panel_lines - done ? share : panel_lines - done;
                 done += pf_n;
+                tl_argmax_state state, *am = NULL;
+                if (argmax) {
+                    state = (tl_argmax_state){best + r * TL_VL, column + r * TL_VL, p * TL_NR, 0};
+                    am = &state;
+                }
                 switch (m1 - r < TL_MR ? m1 - r : TL_MR) {
                 case TL_MR: TL_LINEAR_PASS(TL_MR); break;
 #if TL_MR > 5
@@ -1186,8 +1247,63 @@ int tl_linear_panels(const float *x, int64_t m, int64_t k, int64_t xs, const flo
                 case 2: TL_LINEAR_PASS(2); break;
                 case 1: TL_LINEAR_PASS(1); break;
                 }
+                if (am)
+                    nan |= state.nan;
             }
         }
+        /* The thread's lanes to one (value, first column) per row, after its lanes' values. */
+        for (int64_t i = 0; argmax && i < m; ++i) {
+            float v = -INFINITY;
+            int32_t c = INT32_MAX;
+            for (int l = 0; l < TL_VL; ++l) {
+                const float lv = best[i * TL_VL + l];
+                const int32_t lc = column[i * TL_VL + l];
+                if (lv > v || (lv == v && lc < c)) {
+                    v = lv;
+                    c = lc;
+                }
+            }
+            best[m * TL_VL + i] = v;
+            column[m * TL_VL + i] = c;
+        }
     }
-    return TL_OK;
+    if (argmax) {
+        /* Threads hold increasing column ranges: the first thread with the row's maximum. */
+        for (int64_t i = 0; i < m; ++i) {
+            float v = -INFINITY;
+            int64_t c = -1;
+            for (int t = 0; t < num_threads; ++t) {
+                const float tv = thread_best[(int64_t)t * m * (TL_VL + 1) + m * TL_VL + i];
+                const int32_t tc = thread_column[(int64_t)t * m * (TL_VL + 1) + m * TL_VL + i];
+                if (c < 0 || tv > v || (tv == v && tc < c)) {
+                    v = tv;
+                    c = tc;
+                }
+            }
+            argmax[i] = c;
+        }
+        free(thread_best);
+        free(thread_column);
+    }
+    return nan ? TL_NAN : TL_OK;
+}
+
+/* Returns TL_OK, or TL_BAD_SHAPE with nothing written (m < 0, k or n < 1, a row stride
+ * shorter than its row). `panels` holds ceil(n / tl_panel_width()) panels of [k][width]. */
+int tl_linear_panels(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n,
+                     const float *bias, float *out, int64_t os, int num_threads) {
+    if (m < 0 || k < 1 || n < 1 || xs < k || os < n)
+        return TL_BAD_SHAPE;
+    return tl_panels(x, m, k, xs, panels, n, bias, out, os, NULL, num_threads);
+}
+
+/* out[i] = argmax over n of (x[i] . W^T + bias)[n] without the [m, n] sums: the first column
+ * of the largest, as torch.argmax. TL_BAD_SHAPE as tl_linear_panels, and for m above
+ * TL_LINEAR_CHUNK; TL_NAN when a sum is NaN (out is then not the first NaN torch would pick:
+ * the caller computes the sums instead); TL_NO_MEMORY. */
+int tl_linear_panels_argmax(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n,
+                            const float *bias, int64_t *out, int num_threads) {
+    if (m < 0 || m > TL_LINEAR_CHUNK || k < 1 || n < 1 || xs < k || n > INT32_MAX)
+        return TL_BAD_SHAPE;
+    return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, num_threads);
 }

@@ -45,7 +45,8 @@ FALLBACK_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "
 
 # The C kernel's cache dtype codes.
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_ERRORS = {1: "unsupported cache dtype", 2: "out of memory", 3: "bad shape"}
+_ERRORS = {1: "unsupported cache dtype", 2: "out of memory", 3: "bad shape", 4: "a NaN sum"}
+TL_NAN = 4
 MAX_GROUP = 64  # query heads per KV head (TL_MAX_GROUP in the C source)
 
 _lock = threading.Lock()
@@ -204,6 +205,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, i64, i64, i64,  # x, rows, in features, row stride
         ptr, i64, ptr,  # panels, out features, bias (or NULL)
         ptr, i64, i32,  # out, its row stride, threads
+    ]
+    argmax = lib.tl_linear_panels_argmax
+    argmax.restype = i32
+    argmax.argtypes = [
+        ptr, i64, i64, i64,  # x, rows, in features, row stride
+        ptr, i64, ptr,  # panels, out features, bias (or NULL)
+        ptr, i32,  # out (int64 per row), threads
     ]
     return lib
 
@@ -513,6 +521,10 @@ def panel_width() -> Optional[int]:
     return None if lib is None else lib.tl_panel_width()
 
 
+# Most rows PanelLinear.argmax takes in one call (TL_LINEAR_CHUNK in the C source).
+ARGMAX_MAX_ROWS = 96
+
+
 class PanelLinear:
     """`F.linear(x, weight, bias)` for float32 CPU inputs, through `tl_linear_panels`: the
     weight [N, K] is packed once into panels of `panel_width()` output columns ([ceil(N /
@@ -557,3 +569,24 @@ class PanelLinear:
         if code:
             raise RuntimeError(f"native linear failed: {_ERRORS.get(code, code)}")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def argmax(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """`self(x).argmax(dim=-1)` of a float32 CPU matrix x [rows, in_features], rows at most
+        ARGMAX_MAX_ROWS, without making the [rows, out_features] sums: int64 [rows], the first
+        column of each row's maximum (the same sums as `self(x)`, so the same indices). None
+        when a sum is NaN (torch would pick the first NaN: compute the sums instead)."""
+        k = self.in_features
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k
+                or x.shape[0] > ARGMAX_MAX_ROWS):
+            raise ValueError(f"PanelLinear.argmax takes float32 CPU input [<= {ARGMAX_MAX_ROWS}, {k}], got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        rows = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.empty(rows.shape[0], dtype=torch.int64)
+        code = self._lib.tl_linear_panels_argmax(
+            rows.data_ptr(), rows.shape[0], k, rows.stride(0), self.panels.data_ptr(), self.out_features,
+            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if code == TL_NAN:
+            return None
+        if code:
+            raise RuntimeError(f"native linear argmax failed: {_ERRORS.get(code, code)}")
+        return out

@@ -283,7 +283,7 @@ def model_service_spec() -> dict:
             "cpuThreads": _int("torch compute threads of the engine on the CPU; unset = one per usable core.",
                                minimum=1, maximum=1024),
             "coreProcess": _bool("Run the engine and its step loop in a process of their own (the engine core), "
-                                 "so the HTTP server's Python never holds up a step.", default=False),
+                                 "so the HTTP server's Python never holds up a step. Unset: off.")
         },
         defaulted=True,
         rules=[("self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256]", "blockSize must be a power of two")],

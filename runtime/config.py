@@ -293,7 +293,9 @@ class EngineConfig:
     # torch compute threads of the engine on the CPU; unset = auto (docs/configuration.md).
     cpu_threads: Optional[int] = None
     # The step loop in a process of its own (runtime/engine_core.py), off the HTTP server's GIL.
-    core_process: bool = False
+    # Unset = off; unset rather than false so that configs written before the key existed keep
+    # their restart hash (an operator upgrade does not roll every pod).
+    core_process: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _check(1 <= self.block_size <= 256, "blockSize", f"must be in [1, 256], got {self.block_size}")

@@ -199,6 +199,16 @@ class PrepackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def argmax(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """`self(x).argmax(dim=-1)` (int64 [rows]) without the [rows, out_features] outputs,
+        where the panel copy serves these rows: the same sums, so the same indices. None where
+        it does not (other row counts or dtypes), and for a NaN among the sums."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if (self.panels is None or rows not in self.panel_rows or rows > cpu_native.ARGMAX_MAX_ROWS
+                or x.dtype != torch.float32):
+            return None
+        return self.panels.argmax(x)
+
     def extra_repr(self) -> str:
         def rows(r: Optional[range], default: str) -> str:
             return default if r is None else f"{r.start}-{r.stop - 1}"

@@ -28,7 +28,7 @@ from tokenlane.runtime.cuda_graphs import make_decode_runner
 from tokenlane.runtime.model import AttentionMetadata, CausalLM, kv_cache_bytes_per_block
 from tokenlane.runtime.plan import ExecutorOutput, ScheduledChunk, StepPlan
 from tokenlane.runtime.request import TokenLogprob
-from tokenlane.runtime.sampler import Sampler, make_generator
+from tokenlane.runtime.sampler import Sampler, argmax_only, make_generator
 from tokenlane.runtime.structured_output import GrammarMatchers
 
 log = logging.getLogger(__name__)
@@ -311,13 +311,14 @@ class ModelExecutor:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
-    def _forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
-        """The model's logits of `logits_indices`; a decode batch the decode runner (CUDA
+    def _forward(self, input_ids, positions, meta, logits_indices, argmax_only: bool = False) -> torch.Tensor:
+        """The model's logits of `logits_indices` (or, with `argmax_only`, possibly their
+        argmax token ids: see Transformer.forward); a decode batch the decode runner (CUDA
         graphs) can take replays its graph instead of running eager."""
         runner = self.decode_runner
         if runner is not None and runner.can_run(input_ids.shape[0], meta, logits_indices.shape[0]):
             return runner.run(input_ids, positions, meta, logits_indices)
-        return self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        return self.model(input_ids, positions, self.kv_caches, meta, logits_indices, argmax_only=argmax_only)
 
     def _run(self, chunks: list[ScheduledChunk], output: ExecutorOutput) -> None:
         inputs = self.inputs.build(chunks)
@@ -332,7 +333,14 @@ class ModelExecutor:
             self.model(input_ids, pos, self.kv_caches, meta, torch.zeros(0, dtype=torch.long, device=dev))
             return
         # One forward pass: logits of the sampling rows first, then the prompt-logprob rows.
-        logits = self._forward(input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev))
+        # When every row is greedy and nothing else reads the logits, the LM head may hand
+        # back the tokens instead (on the CPU: no [rows, vocab] logits written, then read).
+        greedy = not prompt_rows and all(argmax_only(c.request.sampling_params) for c in sampled_chunks)
+        logits = self._forward(input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev), greedy)
+        if logits.dtype == torch.int64:
+            for c, token in zip(sampled_chunks, logits.tolist()):
+                output.sampled[c.request.request_id] = token
+            return
         num_sampled = inputs.num_sampled
         tokens: list[int] = []
         if sampled_chunks:

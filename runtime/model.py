@@ -386,7 +386,11 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N] int64: rows of the batch that get logits
+        argmax_only: bool = False,
     ) -> torch.Tensor:
+        """Logits [N, vocab] float32 of `logits_indices`. With `argmax_only` (the caller needs
+        only each row's argmax) it may return those token ids instead, int64 [N], when the LM
+        head makes them without logits (a CPU panel head: PrepackedLinear.argmax)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, meta.all_seq_lens, meta.all_query_lens, x.dtype)
         sin_signed = signed_sin(sin)
@@ -394,6 +398,10 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin_signed, kv_cache, meta)
         # Norm and LM head only where a token is sampled: the head is the largest matmul.
         x = self.norm(x[logits_indices])
+        if argmax_only and hasattr(self.lm_head, "argmax"):
+            tokens = self.lm_head.argmax(x)
+            if tokens is not None:
+                return tokens
         return self.lm_head(x).float()
 
     # ---- loading

@@ -147,6 +147,14 @@ def apply_logits_processors(
 MIN_TEMPERATURE = 1e-5
 
 
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether a row's token is the argmax of its raw logits and nothing else reads them:
+    greedy, no logits processors, no logprobs, no grammar. A batch of such rows may take its
+    tokens from the LM head without logits (PrepackedLinear.argmax)."""
+    return ((params.greedy or params.temperature < MIN_TEMPERATURE) and not params.uses_logits_processors
+            and params.logprobs is None and params.grammar is None)
+
+
 class Sampler:
     """Samples one token per row of a [N, V] logits batch."""
 

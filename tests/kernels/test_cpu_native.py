@@ -622,6 +622,57 @@ def test_panel_linear_takes_strided_and_batched_inputs():
     torch.testing.assert_close(linear(columns), columns @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows, k, n", [
+    (1, 64, 100), (5, 33, 257), (6, 256, 64), (7, 48, 65), (64, 256, 32000), (96, 128, 1000), (0, 16, 16),
+])
+def test_panel_argmax_is_the_argmax_of_the_panel_sums(rows, k, n, with_bias, threads):
+    """The fused argmax picks from the very sums `linear(x)` returns: torch.argmax of them,
+    bit for bit, across pass heights, partial last panels (whose zero padding never wins) and
+    threads (each holding a range of columns)."""
+    gen = torch.Generator().manual_seed(rows * 17 + k + n)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) / k ** 0.5
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    linear = cpu_native.PanelLinear(weight, bias)
+    torch.set_num_threads(threads)
+    try:
+        got = linear.argmax(x)
+        want = linear(x).argmax(dim=-1)
+    finally:
+        torch.set_num_threads(1)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_panel_argmax_ties_infinities_and_nans():
+    """Ties go to the first column (torch.argmax's rule) wherever they fall: in one vector lane,
+    across lanes, panels and threads; a row of -inf is column 0; a NaN sum makes it give up
+    (None), so the caller computes the sums."""
+    width = cpu_native.panel_width()
+    weight = torch.zeros(4 * width + 3, 8)
+    linear_ties = [(5, 77, 4 * width + 2), (width + 1, 2 * width + 1), (3, 3 + width // 2)]
+    x = torch.ones(3, 8)
+    for columns in linear_ties:
+        weight.zero_()
+        weight[list(columns)] = 1.0
+        linear = cpu_native.PanelLinear(weight)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            try:
+                assert linear.argmax(x).tolist() == [min(columns)] * 3
+            finally:
+                torch.set_num_threads(1)
+    assert cpu_native.PanelLinear(torch.zeros(300, 8)).argmax(x).tolist() == [0] * 3  # all equal
+    ones = cpu_native.PanelLinear(torch.ones(300, 8))
+    assert ones.argmax(torch.full((2, 8), -float("inf"))).tolist() == [0, 0]
+    nan = torch.ones(2, 8)
+    nan[1, 3] = float("nan")
+    assert ones.argmax(nan) is None
+    with pytest.raises(ValueError, match="float32 CPU input"):
+        ones.argmax(torch.ones(cpu_native.ARGMAX_MAX_ROWS + 1, 8))
+
+
 def test_panel_linear_refuses_what_it_does_not_take():
     weight = torch.randn(32, 16)
     for bad_weight in (weight.bfloat16(), weight.double(), weight[0], torch.empty(0, 16)):

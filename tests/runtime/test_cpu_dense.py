@@ -339,8 +339,12 @@ def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_d
         monkeypatch.setattr(cpu_dense, "PANEL_MAX_IN_FEATURES", 0)
     if packed_only:
         monkeypatch.setattr(cpu_dense, "PREPACK_MIN_ELEMENTS", 1)
+    fused = []  # steps whose greedy tokens the LM head's panels picked without logits
+    argmax = PrepackedLinear.argmax
+    monkeypatch.setattr(PrepackedLinear, "argmax", lambda self, x: fused.append(argmax(self, x)) or fused[-1])
     reqs = engine_requests(8, 1024, seed=21, max_len=40, max_new=(4, 12))
     engine = run_engine(tiny_model_dir, reqs, chunk=7, max_batched_tokens=40)
+    assert any(t is not None for t in fused) == panels
     model = engine.executor.model
     assert isinstance(model.lm_head, PrepackedLinear) and model.lm_head.weight is not None
     for layer in model.layers:
@@ -349,6 +353,28 @@ def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_d
         # Packed only: the dense per-layer weights are not held a second time.
         assert all((m.weight is None) == packed_only for m in linears)
         assert all((m.panels is not None) == panels for m in linears)
+    assert_matches_hf(tiny_model_dir, reqs)
+
+
+@needs_panels
+def test_the_fused_greedy_head_runs_only_where_nothing_reads_the_logits(tiny_model_dir, monkeypatch):
+    """A step with a row that wants logprobs computes logits (the head's argmax is not asked);
+    where the head declines (a NaN sum, say: None) the step falls back to the logits and the
+    sampler. Greedy tokens equal transformers' either way."""
+    asked = []
+    monkeypatch.setattr(PrepackedLinear, "argmax", lambda self, x: asked.append(x.shape[0]))  # always declines
+    reqs = engine_requests(4, 1024, seed=23, max_len=30, max_new=(4, 8))
+    run_engine(tiny_model_dir, reqs, chunk=7, max_batched_tokens=40)
+    assert asked  # every step asked, and each fell back
+    assert_matches_hf(tiny_model_dir, reqs)
+
+    asked.clear()
+    reqs = engine_requests(4, 1024, seed=24, max_len=30, max_new=(4, 8))
+    reqs[0].sampling_params.logprobs = 1  # in every step of the batch while it runs
+    reqs[0].sampling_params.max_tokens = max(r.sampling_params.max_tokens for r in reqs)
+    run_engine(tiny_model_dir, reqs, chunk=64, max_batched_tokens=256)
+    assert not asked
+    assert len(reqs[0].output_logprobs) == reqs[0].num_output_tokens
     assert_matches_hf(tiny_model_dir, reqs)
 
 
