@@ -189,6 +189,8 @@ class StepRecorder:
             for name, module in model.named_modules():
                 if name == "lm_head":
                     self._hook_module(module, "lm_head")
+                    if hasattr(module, "argmax"):  # a greedy step's head: token ids, no logits
+                        module.argmax = self.timed("lm_head", module.argmax)
                 elif isinstance(module, (nn.Linear, PrepackedLinear)):
                     # The attention modules' projections: linear time, not attention time.
                     extra = ("attn_linear",) if ".self_attn." in f".{name}." else ()
