@@ -188,7 +188,7 @@ def test_padded_static_path_gives_the_unpadded_logits(tiny_model_dir, batch):
     runner = eager_runner(ex, max_batch=8)
     pairs = []
 
-    def both(input_ids, positions, meta, logits_indices):
+    def both(input_ids, positions, meta, logits_indices, argmax_only=False):  # logits either way
         assert runner.can_run(input_ids.shape[0], meta, logits_indices.shape[0])
         padded = runner.run(input_ids, positions, meta, logits_indices).clone()
         eager = ex.model(input_ids, positions, ex.kv_caches, meta, logits_indices)
