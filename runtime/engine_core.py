@@ -553,7 +553,7 @@ class ProcessEngine(AsyncEngine):
     def _read_events(self) -> None:
         """The reader thread: observers run here (as they ran on the step thread before);
         outputs and replies go to the event loop."""
-        view, loop = self.engine, self._loop
+        view = self.engine
         while True:
             try:
                 message = self._events.recv()
