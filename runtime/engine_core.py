@@ -316,6 +316,15 @@ def _end_core(code: int) -> None:
 # --------------------------------------------------------------------------- the API process side
 
 
+def open_engine(config: RuntimeConfig, on_core_start: Optional[Callable] = None) -> AsyncEngine:
+    """The asyncio front `tokenlane serve` serves: a ProcessEngine with `engine.coreProcess`
+    (its core spawned and loaded; `on_core_start` is the core's `on_start` hook), else the
+    in-process AsyncEngine. ValueError or OSError if the model cannot be loaded."""
+    if config.engine.core_process:
+        return ProcessEngine.from_config(config, on_start=on_core_start)
+    return AsyncEngine.from_config(config)
+
+
 class CoreView:
     """What the API process reads of the engine (AsyncEngine.engine's place): the config in
     force, the tokenizer, the model's limits, the latest occupancy snapshot, and the

@@ -147,12 +147,18 @@ def apply_logits_processors(
 MIN_TEMPERATURE = 1e-5
 
 
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether a row takes the argmax (temperature 0, top_k 1, or a temperature too small to
+    divide by)."""
+    return params.greedy or params.temperature < MIN_TEMPERATURE
+
+
 def argmax_only(params: SamplingParams) -> bool:
     """Whether a row's token is the argmax of its raw logits and nothing else reads them:
     greedy, no logits processors, no logprobs, no grammar. A batch of such rows may take its
     tokens from the LM head without logits (PrepackedLinear.argmax)."""
-    return ((params.greedy or params.temperature < MIN_TEMPERATURE) and not params.uses_logits_processors
-            and params.logprobs is None and params.grammar is None)
+    return (is_greedy(params) and not params.uses_logits_processors and params.logprobs is None
+            and params.grammar is None)
 
 
 class Sampler:
@@ -178,7 +184,7 @@ class Sampler:
             if histories is None:
                 raise ValueError("penalties and min_tokens need the requests' token histories")
             logits = apply_logits_processors(logits, params, histories)
-        greedy = [p.greedy or p.temperature < MIN_TEMPERATURE for p in params]
+        greedy = [is_greedy(p) for p in params]
         tokens = kernels.argmax_rows(logits)
         if all(greedy):
             return tokens.tolist()

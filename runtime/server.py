@@ -195,13 +195,10 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
         print(f"tokenlane serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
 
-    if config.engine.core_process:
-        from tokenlane.runtime.engine_core import ProcessEngine as front
-    else:
-        from tokenlane.runtime.async_engine import AsyncEngine as front
+    from tokenlane.runtime.engine_core import open_engine
 
     try:
-        async_engine = front.from_config(config)
+        async_engine = open_engine(config)
     except (ValueError, OSError) as exc:
         print(f"tokenlane serve: cannot load {config.model.path}: {exc}", file=sys.stderr)
         return 1
