@@ -20,11 +20,14 @@
  *
  * Also here: `tl_argmax_rows`, greedy sampling's argmax, `tl_write_kv`, the KV cache
  * write (a scatter of K/V rows to their cache slots), `tl_rope_write_kv`, RoPE on a layer's
- * queries and keys then that write, and `tl_rms_norm`, RMSNorm (float32, bf16).
+ * queries and keys then that write, `tl_rms_norm`, RMSNorm (float32, bf16), and
+ * `tl_bind_threads`, which pins the caller's OpenMP team one thread per CPU (engine.cpuBind).
  */
+#define _GNU_SOURCE /* sched_setaffinity, CPU_SET */
 #include <float.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1306,4 +1309,31 @@ int tl_linear_panels_argmax(const float *x, int64_t m, int64_t k, int64_t xs, co
     if (m < 0 || m > TL_LINEAR_CHUNK || k < 1 || n < 1 || xs < k || n > INT32_MAX)
         return TL_BAD_SHAPE;
     return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, num_threads);
+}
+
+/* Pins the caller's OpenMP team of n threads, thread i to cpus[i] (engine.cpuBind). libgomp
+ * keeps one pool per calling thread and reuses its threads for every later team of the same
+ * size, so torch's parallel regions and the kernels above, all run by this caller with n
+ * threads, stay on these CPUs. Returns the number of threads pinned (n on success; fewer when
+ * the team came out smaller or a CPU was refused), or -1 when built without OpenMP. */
+int tl_bind_threads(const int32_t *cpus /* [n] */, int n) {
+#ifdef _OPENMP
+    if (n < 1 || n > CPU_SETSIZE) return 0;
+    int pinned = 0;
+#pragma omp parallel num_threads(n) reduction(+ : pinned)
+    {
+        int t = omp_get_thread_num();
+        if (omp_get_num_threads() == n && cpus[t] >= 0 && cpus[t] < CPU_SETSIZE) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpus[t], &set);
+            pinned += sched_setaffinity(0, sizeof(set), &set) == 0;
+        }
+    }
+    return pinned;
+#else
+    (void)cpus;
+    (void)n;
+    return -1;
+#endif
 }

@@ -213,6 +213,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, i64, ptr,  # panels, out features, bias (or NULL)
         ptr, i32,  # out (int64 per row), threads
     ]
+    lib.tl_bind_threads.restype = i32
+    lib.tl_bind_threads.argtypes = [ptr, i32]  # cpus (int32 per thread), n
     return lib
 
 
@@ -512,6 +514,19 @@ def paged_decode_attention(
     if code:
         raise RuntimeError(f"native CPU attention failed: {_ERRORS.get(code, code)}")
     return out
+
+
+def bind_threads(cpus: list[int]) -> Optional[int]:
+    """Pin the calling thread's OpenMP team (torch's pool for this thread), thread i to
+    cpus[i], and set torch's thread count to len(cpus). Returns the threads pinned, or None
+    when the library is missing or was built without OpenMP (nothing pinned)."""
+    lib = load()
+    if lib is None or not cpus:
+        return None
+    torch.set_num_threads(len(cpus))
+    array = (ctypes.c_int32 * len(cpus))(*cpus)
+    pinned = lib.tl_bind_threads(ctypes.cast(array, ctypes.c_void_p), len(cpus))
+    return None if pinned < 0 else pinned
 
 
 def panel_width() -> Optional[int]:

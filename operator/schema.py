@@ -283,7 +283,13 @@ def model_service_spec() -> dict:
             "cpuThreads": _int("torch compute threads of the engine on the CPU; unset = one per usable core.",
                                minimum=1, maximum=1024),
             "coreProcess": _bool("Run the engine and its step loop in a process of their own (the engine core), "
-                                 "so the HTTP server's Python never holds up a step. Unset: off.")
+                                 "so the HTTP server's Python never holds up a step. Unset: off."),
+            "cpuBind": _str("Thread placement on the CPU: auto (unset) from 8 cores up leaves the first core to "
+                            "the HTTP server and pins one compute thread to each other core, below that "
+                            "(or under a CPU quota, without exclusive CPUs) pins nothing; none pins nothing; "
+                            "a CPU list such as 2-15 or 0,2,4-7 pins compute thread i to the i-th CPU "
+                            "listed and leaves the other CPUs to the server.",
+                            pattern=r"^(auto|none|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*)$", max_length=1024),
         },
         defaulted=True,
         rules=[("self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256]", "blockSize must be a power of two")],

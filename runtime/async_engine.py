@@ -215,6 +215,7 @@ class AsyncEngine:
         """The step thread: steps while there is work, each step's outputs handed to the event
         loop in order; sleeps on `_wakeup` (or the idle tick, for queue timeouts) otherwise."""
         engine, wakeup = self.engine, self._wakeup
+        engine.pin_step_thread()
         while not self._halt:
             if self._stopping and not engine.has_unfinished_requests():
                 return

@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import yaml
 
+from tokenlane.runtime.cpu_placement import check_setting as check_cpu_bind
+
 LANE_CLASSES = ("interactive", "long-context", "batch")
 POLICIES = ("decode-first", "mixed")
 STEP_TIME_BUDGETS = ("off", "auto")
@@ -296,11 +298,18 @@ class EngineConfig:
     # Unset = off; unset rather than false so that configs written before the key existed keep
     # their restart hash (an operator upgrade does not roll every pod).
     core_process: Optional[bool] = None
+    # Thread placement (runtime/cpu_placement.py): auto | none | a CPU list such as "2-15".
+    # Unset = auto; unset rather than "auto" to keep the restart hash of older configs.
+    cpu_bind: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check(1 <= self.block_size <= 256, "blockSize", f"must be in [1, 256], got {self.block_size}")
         _check(self.cpu_threads is None or 1 <= self.cpu_threads <= 1024, "cpuThreads",
                f"must be in [1, 1024], got {self.cpu_threads}")
+        try:
+            check_cpu_bind(self.cpu_bind, self.cpu_threads)
+        except ValueError as exc:
+            raise ConfigError(f"cpuBind: {exc}") from None
         _check(
             self.block_size & (self.block_size - 1) == 0,
             "blockSize",

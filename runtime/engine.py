@@ -410,6 +410,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
 
+    def pin_step_thread(self) -> None:
+        """A step loop's thread of its own calls this before its first step: engine.cpuBind
+        pins that thread's compute threads (runtime/cpu_placement.py). Offline callers that
+        step from their own thread are left alone."""
+        pin = getattr(self.executor, "pin_step_thread", None)
+        if pin is not None:
+            pin()
+
     def step(self) -> list[RequestOutput]:
         self._ends_known_at = self.clock()
         self._apply_staged()

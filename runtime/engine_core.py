@@ -238,6 +238,7 @@ class EngineCore:
         event otherwise. Returns after "stop" once no request is left, or when the API
         process is gone."""
         engine, wakeup = self.engine, self._wakeup
+        engine.pin_step_thread()
         while not self._halt:
             if self._stopping and not engine.has_unfinished_requests():
                 self._send_step([])

@@ -24,6 +24,7 @@ from tokenlane.kernels.api import fresh_prefill_through_cache, resolve_backend
 from tokenlane.runtime.batch_inputs import BatchInputBuilder, chunk_token_ids
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.cpu_dense import select_compute_dtype
+from tokenlane.runtime.cpu_placement import bind_compute_threads, placement_for
 from tokenlane.runtime.cuda_graphs import make_decode_runner
 from tokenlane.runtime.model import AttentionMetadata, CausalLM, kv_cache_bytes_per_block
 from tokenlane.runtime.plan import ExecutorOutput, ScheduledChunk, StepPlan
@@ -140,6 +141,11 @@ class ModelExecutor:
         self.block_size = config.engine.block_size
         self.backend = resolve_backend(config.engine.attention_backend, self.device)
         self.cpu_threads = place_cpu_threads(config.engine.cpu_threads, self.device)
+        # engine.cpuBind: planned now (a CPU list this process may not use fails the start-up),
+        # applied by the step loop's own thread (`pin_step_thread`): libgomp keeps an OpenMP
+        # pool per calling thread, and a caller's thread of its own is not ours to pin.
+        self.placement = placement_for(config.engine, self.device.type)
+        log.info("thread placement: %s", self.placement.reason)
         model_path = Path(config.model.path)
         if not model_path.is_dir():
             raise ValueError(f"model.path {config.model.path!r} is not a folder")
@@ -194,6 +200,13 @@ class ModelExecutor:
             max_model_len=self.max_model_len, max_batch=config.engine.cuda_graph_max_batch,
             backend=self.backend, device=self.device,
         )
+
+    def pin_step_thread(self) -> None:
+        """Called by a step loop in its own thread before its first step: pins that thread's
+        OpenMP team (its compute threads) as engine.cpuBind plans."""
+        if self.placement.pinned:
+            log.info("thread placement: %s", bind_compute_threads(self.placement))
+            self.cpu_threads = torch.get_num_threads()
 
     # ---- KV pool sizing
 

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true", help="engine.enablePrefixCaching=false")
     g.add_argument("--core-process", action="store_true",
                    help="engine.coreProcess=true (the step loop in a process of its own)")
+    g.add_argument("--cpu-bind", help="engine.cpuBind (auto|none|a CPU list such as 2-15): where the "
+                                      "compute threads are pinned")
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM, time in-flight requests get to finish (default 30)")
     p.add_argument("--config-poll-seconds", type=float, default=1.0,
@@ -89,6 +91,7 @@ def apply_overrides(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeC
             "device": args.device,
             "attention_backend": args.attention_backend,
             "executor": args.executor,
+            "cpu_bind": args.cpu_bind,
         }.items() if v is not None
     }
     if args.no_continuous_batching:
@@ -202,6 +205,13 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
     except (ValueError, OSError) as exc:
         print(f"tokenlane serve: cannot load {config.model.path}: {exc}", file=sys.stderr)
         return 1
+    if config.engine.executor == "model":
+        # engine.cpuBind: this process's threads and those it starts from now on, the step
+        # thread included until it pins itself, keep to the server's CPUs.
+        from tokenlane.runtime.cpu_placement import confine_server_threads, placement_for
+        from tokenlane.runtime.executor import select_device
+
+        confine_server_threads(placement_for(config.engine, select_device(config.engine.device).type))
     options = ServerOptions(
         shutdown_grace_s=args.shutdown_grace_seconds,
         config_poll_interval_s=args.config_poll_seconds,
