@@ -34,6 +34,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __AVX512BF16__
+#include <immintrin.h> /* _mm512_dpbf16_ps: the bf16 panels' pair products */
+#endif
 
 enum { TL_FLOAT32 = 0, TL_BFLOAT16 = 1, TL_FLOAT16 = 2 };
 enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3, TL_NAN = 4 };
@@ -1068,10 +1071,13 @@ int tl_rms_norm(const void *x, int64_t rows, int64_t cols, int64_t x_stride, con
 
 /* ------------------------------------------------------------------ small-batch linear
  *
- * out[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) in float32, for the few rows of a decode step.
+ * out[M, N] = x[M, K] . W[N, K]^T (+ bias[N]), for the few rows of a decode step, in float32
+ * or in bfloat16 (x, W, bias and out bf16; every product and sum in float32, each output
+ * rounded to bf16 once, to nearest even, as torch's bf16 linear does).
  * W is packed once into panels of TL_NR output columns (tl_panel_width): panel p is
  * W[p * NR : (p + 1) * NR, :] transposed, [K][NR] contiguous, zero past N, so a panel is one
- * stream of memory. A work item is one panel for up to 96 rows (all of a decode batch): the
+ * stream of memory (half as long in bf16, widened to float32 in registers as it is read). A
+ * work item is one panel for up to 96 rows (all of a decode batch): the
  * rows go by TL_MR at a time, each pass keeping TL_MR x NR sums in registers over the panel's
  * K rows (4 vector loads and TL_MR broadcasts per 4 * TL_MR multiply-adds), the panel in L2
  * after the first pass. While a thread multiplies one panel it prefetches its next one, a
@@ -1083,10 +1089,36 @@ int tl_rms_norm(const void *x, int64_t rows, int64_t cols, int64_t x_stride, con
 #define TL_NR (4 * TL_VL)                  /* output columns per panel: four vectors */
 /* tl_vf that may sit anywhere: a panel need not start on a vector boundary. */
 typedef float tl_vf_u __attribute__((vector_size(4 * TL_VL), aligned(4)));
+/* TL_VL bf16 values, anywhere; and the unsigned lanes they widen through. */
+typedef uint16_t tl_vh_u __attribute__((vector_size(2 * TL_VL), aligned(2)));
+typedef uint16_t tl_vh __attribute__((vector_size(2 * TL_VL)));
+typedef uint32_t tl_vu __attribute__((vector_size(4 * TL_VL)));
 #define TL_MR (TL_VL == 16 ? 6 : 3)        /* rows per pass: TL_MR x 4 sums, 4 weights in registers */
 #define TL_LINEAR_CHUNK 96                 /* rows per work item (at most) */
+/* bf16 panels hold pairs of k ([ceil(K / 2)][NR][2], the last pair zero-padded for an odd K)
+ * where the CPU multiplies bf16 pairs natively (AVX512-BF16: one vdpbf16ps adds
+ * x[2j] * W[n][2j] + x[2j + 1] * W[n][2j + 1] to 16 float32 sums), else [K][NR] like float32. */
+#if defined(__AVX512BF16__) && TL_VL == 16
+#define TL_BF16_PAIRS 1
+#else
+#define TL_BF16_PAIRS 0
+#endif
 
 int tl_panel_width(void) { return TL_NR; }
+int tl_panel_bf16_pairs(void) { return TL_BF16_PAIRS; }
+
+/* bf16 -> float32 of a vector: the 16 bits become the high half. */
+static inline __attribute__((always_inline)) tl_vf tl_widen_bf16(tl_vh_u h) {
+    return (tl_vf)(__builtin_convertvector(h, tl_vu) << 16);
+}
+
+/* float32 -> bf16 of a vector, to nearest even (NaN -> 0x7fc0), as tl_to_bf16. */
+static inline __attribute__((always_inline)) tl_vh tl_narrow_bf16(tl_vf y) {
+    const tl_vu u = (tl_vu)y;
+    const tl_vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const tl_vu nan = (tl_vu)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((nan & 0x7fc0u) | (~nan & rounded), tl_vh);
+}
 
 /* Per-row state of a fused argmax (tl_linear_panels_argmax): for each row, one vector of the
  * largest sum each lane has seen and its column. A lane sees its columns in increasing order,
@@ -1098,33 +1130,83 @@ typedef struct {
     int nan;         /* set when a sum is NaN (the caller falls back to the logits) */
 } tl_argmax_state;
 
-/* Rows [0, MR) of x (row stride xs) times one panel [k][NR]; `ncols` (<= NR) columns of out
- * written, or with `am` the rows' argmax state updated instead (rows of am->best and
- * am->column from this pass's first row on). Meanwhile `pf_lines` 64-byte lines from `pf` are
- * prefetched, spread over the k loop. */
+/* Rows [0, MR) of x (row stride xs elements) times one panel [k][NR]; `ncols` (<= NR) columns
+ * of out written, or with `am` the rows' argmax state updated instead (rows of am->best and
+ * am->column from this pass's first row on). BF: x, the panel, bias and out are bf16 (else
+ * float32). Meanwhile `pf_lines` 64-byte lines from `pf` are prefetched, spread over the k
+ * loop. */
 static inline __attribute__((always_inline)) void tl_linear_pass(
-    const float *x, int64_t xs, const float *panel, int64_t k, const float *bias, float *out,
-    int64_t os, int ncols, const char *pf, int64_t pf_lines, const int MR, tl_argmax_state *am) {
+    const void *x, int64_t xs, const void *panel, int64_t k, const void *bias, void *out,
+    int64_t os, int ncols, const char *pf, int64_t pf_lines, const int MR, const int BF, tl_argmax_state *am) {
     tl_vf acc[TL_MR][4];
     for (int i = 0; i < MR; ++i)
         for (int v = 0; v < 4; ++v)
             acc[i][v] = (tl_vf){0};
+#if TL_BF16_PAIRS
+    if (BF) {
+        /* Pairs of k: x's pair broadcast to every lane, one vdpbf16ps per weight vector
+         * (which adds the pair's second product, then its first; denormals count as zero). */
+        const uint16_t *xh = (const uint16_t *)x;
+        const int64_t pairs = (k + 1) / 2, per_pair = (pf_lines + pairs - 1) / pairs;
+        for (int64_t kp = 0; kp < pairs; ++kp) {
+            for (int64_t l = kp * per_pair; l < (kp + 1) * per_pair && l < pf_lines; ++l)
+                __builtin_prefetch(pf + l * 64, 0, 2);
+            const uint16_t *wp = (const uint16_t *)panel + kp * 2 * TL_NR;
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+            const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+#define TL_DP_ROWS(PAIR)                                                                          \
+            for (int i = 0; i < MR; ++i) {                                                        \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)(PAIR));                     \
+                acc[i][0] = (tl_vf)_mm512_dpbf16_ps((__m512)acc[i][0], xv, w0);                   \
+                acc[i][1] = (tl_vf)_mm512_dpbf16_ps((__m512)acc[i][1], xv, w1);                   \
+                acc[i][2] = (tl_vf)_mm512_dpbf16_ps((__m512)acc[i][2], xv, w2);                   \
+                acc[i][3] = (tl_vf)_mm512_dpbf16_ps((__m512)acc[i][3], xv, w3);                   \
+            }
+            if (__builtin_expect(2 * kp + 1 < k, 1)) {
+                /* x's pair read as one 32-bit broadcast from memory */
+                TL_DP_ROWS(*(const int32_t __attribute__((aligned(2), may_alias)) *)(xh + i * xs + 2 * kp))
+            } else { /* an odd K's last pair: x[k - 1] alone */
+                TL_DP_ROWS(xh[i * xs + 2 * kp])
+            }
+#undef TL_DP_ROWS
+        }
+    }
+#endif
     const int64_t per_k = (pf_lines + k - 1) / k; /* lines to prefetch per k */
-    for (int64_t kk = 0; kk < k; ++kk) {
+    for (int64_t kk = 0; kk < k && !(BF && TL_BF16_PAIRS); ++kk) {
         for (int64_t l = kk * per_k; l < (kk + 1) * per_k && l < pf_lines; ++l)
             __builtin_prefetch(pf + l * 64, 0, 2);
-        /* Read in place through tl_vf_u (a memcpy into a tl_vf array here kept the sums in
-         * memory: 3-4x slower). */
-        const tl_vf_u *w = (const tl_vf_u *)(panel + kk * TL_NR);
-        for (int i = 0; i < MR; ++i) {
-            const float xv = x[i * xs + kk];
-            for (int v = 0; v < 4; ++v)
-                acc[i][v] += xv * w[v];
+        /* Read in place through tl_vf_u / tl_vh_u (a memcpy into a tl_vf array here kept the
+         * sums in memory: 3-4x slower). */
+        if (BF) {
+            const tl_vh_u *w = (const tl_vh_u *)((const uint16_t *)panel + kk * TL_NR);
+            const tl_vf w0 = tl_widen_bf16(w[0]), w1 = tl_widen_bf16(w[1]);
+            const tl_vf w2 = tl_widen_bf16(w[2]), w3 = tl_widen_bf16(w[3]);
+            for (int i = 0; i < MR; ++i) {
+                const float xv = tl_from_bf16(((const uint16_t *)x)[i * xs + kk]);
+                acc[i][0] += xv * w0;
+                acc[i][1] += xv * w1;
+                acc[i][2] += xv * w2;
+                acc[i][3] += xv * w3;
+            }
+        } else {
+            const tl_vf_u *w = (const tl_vf_u *)((const float *)panel + kk * TL_NR);
+            for (int i = 0; i < MR; ++i) {
+                const float xv = ((const float *)x)[i * xs + kk];
+                for (int v = 0; v < 4; ++v)
+                    acc[i][v] += xv * w[v];
+            }
         }
     }
     if (bias) {
         tl_vf b[4] = {{0}};
-        memcpy(b, bias, sizeof(float) * (size_t)ncols);
+        if (BF) {
+            float *bf = (float *)b;
+            for (int c = 0; c < ncols; ++c)
+                bf[c] = tl_from_bf16(((const uint16_t *)bias)[c]);
+        } else {
+            memcpy(b, bias, sizeof(float) * (size_t)ncols);
+        }
         for (int i = 0; i < MR; ++i)
             for (int v = 0; v < 4; ++v)
                 acc[i][v] += b[v];
@@ -1157,27 +1239,60 @@ static inline __attribute__((always_inline)) void tl_linear_pass(
     }
     /* Stores by value (a copy of acc's address would keep the sums in memory, not registers). */
     for (int i = 0; i < MR; ++i) {
-        if (ncols == TL_NR) {
+        if (BF) {
+            uint16_t *o = (uint16_t *)out + i * os;
+            if (ncols == TL_NR) {
+                for (int v = 0; v < 4; ++v) {
+                    const tl_vh y = tl_narrow_bf16(acc[i][v]);
+                    memcpy(o + v * TL_VL, &y, sizeof y);
+                }
+            } else {
+                tl_vh y[4];
+                for (int v = 0; v < 4; ++v)
+                    y[v] = tl_narrow_bf16(acc[i][v]);
+                memcpy(o, y, sizeof(uint16_t) * (size_t)ncols);
+            }
+        } else if (ncols == TL_NR) {
             for (int v = 0; v < 4; ++v) {
                 const tl_vf y = acc[i][v];
-                memcpy(out + i * os + v * TL_VL, &y, sizeof y);
+                memcpy((float *)out + i * os + v * TL_VL, &y, sizeof y);
             }
         } else {
             tl_vf y[4];
             for (int v = 0; v < 4; ++v)
                 y[v] = acc[i][v];
-            memcpy(out + i * os, y, sizeof(float) * (size_t)ncols);
+            memcpy((float *)out + i * os, y, sizeof(float) * (size_t)ncols);
         }
     }
 }
 
-#define TL_LINEAR_PASS(MR) \
-    tl_linear_pass(x + r * xs, xs, w, k, b, out ? out + r * os + p * TL_NR : NULL, os, ncols, pf_at, pf_n, (MR), am)
+#define TL_LINEAR_PASS(MR, BF)                                                                    \
+    tl_linear_pass(xb + r * xs * es, xs, pb + p * panel_bytes, k, b,                              \
+                   out ? ob + (r * os + p * TL_NR) * es : NULL, os, ncols, pf_at, pf_n, (MR), (BF), am)
 
-/* tl_linear_panels, or with `argmax` (m <= TL_LINEAR_CHUNK) the first column of each row's
- * largest sum instead of the sums. */
-static int tl_panels(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n,
-                     const float *bias, float *out, int64_t os, int64_t *argmax, int num_threads) {
+#if TL_MR > 5
+#define TL_LINEAR_PASSES(BF)                                                                      \
+    switch (m1 - r < TL_MR ? m1 - r : TL_MR) {                                                    \
+    case TL_MR: TL_LINEAR_PASS(TL_MR, BF); break;                                                 \
+    case 5: TL_LINEAR_PASS(5, BF); break;                                                         \
+    case 4: TL_LINEAR_PASS(4, BF); break;                                                         \
+    case 3: TL_LINEAR_PASS(3, BF); break;                                                         \
+    case 2: TL_LINEAR_PASS(2, BF); break;                                                         \
+    case 1: TL_LINEAR_PASS(1, BF); break;                                                         \
+    }
+#else
+#define TL_LINEAR_PASSES(BF)                                                                      \
+    switch (m1 - r < TL_MR ? m1 - r : TL_MR) {                                                    \
+    case TL_MR: TL_LINEAR_PASS(TL_MR, BF); break;                                                 \
+    case 2: TL_LINEAR_PASS(2, BF); break;                                                         \
+    case 1: TL_LINEAR_PASS(1, BF); break;                                                         \
+    }
+#endif
+
+/* tl_linear_panels(_bf16), or with `argmax` (float32 only, m <= TL_LINEAR_CHUNK) the first
+ * column of each row's largest sum instead of the sums. `bf`: every operand is bf16. */
+static int tl_panels(const void *x, int64_t m, int64_t k, int64_t xs, const void *panels, int64_t n,
+                     const void *bias, void *out, int64_t os, int64_t *argmax, int bf, int num_threads) {
     const int64_t num_panels = (n + TL_NR - 1) / TL_NR, chunks = (m + TL_LINEAR_CHUNK - 1) / TL_LINEAR_CHUNK;
     const int64_t items = num_panels * chunks;
     if (items == 0)
@@ -1185,7 +1300,11 @@ static int tl_panels(const float *x, int64_t m, int64_t k, int64_t xs, const flo
     /* Chunks of equal size, a multiple of TL_MR rows (but the last). */
     int64_t rows_per_chunk = (m + chunks - 1) / chunks;
     rows_per_chunk = (rows_per_chunk + TL_MR - 1) / TL_MR * TL_MR;
-    const int64_t panel_floats = k * TL_NR, panel_lines = panel_floats * 4 / 64;
+    const int64_t es = bf ? 2 : 4; /* bytes per element of every operand */
+    const int64_t panel_k = bf && TL_BF16_PAIRS ? (k + 1) / 2 * 2 : k; /* an odd K padded to pairs */
+    const int64_t panel_bytes = panel_k * TL_NR * es, panel_lines = panel_bytes / 64;
+    const char *xb = (const char *)x, *pb = (const char *)panels;
+    char *ob = (char *)out;
     if (num_threads > items)
         num_threads = (int)items;
     if (num_threads < 1)
@@ -1224,12 +1343,12 @@ static int tl_panels(const float *x, int64_t m, int64_t k, int64_t xs, const flo
             const int64_t p = it % num_panels, m0 = it / num_panels * rows_per_chunk;
             const int64_t m1 = m0 + rows_per_chunk < m ? m0 + rows_per_chunk : m;
             const int ncols = n - p * TL_NR < TL_NR ? (int)(n - p * TL_NR) : TL_NR;
-            const float *w = panels + p * panel_floats, *b = bias ? bias + p * TL_NR : NULL;
+            const void *b = bias ? (const char *)bias + p * TL_NR * es : NULL;
             /* This thread's next panel, in shares of one per pass (none if it is this one). */
             const int64_t next_p = (it + 1) % num_panels;
             const int64_t passes = (m1 - m0 + TL_MR - 1) / TL_MR;
             const int64_t share = it + 1 < last && next_p != p ? (panel_lines + passes - 1) / passes : 0;
-            const char *next = (const char *)(panels + next_p * panel_floats);
+            const char *next = pb + next_p * panel_bytes;
             int64_t r = m0, done = 0;
             for (; r < m1; r += TL_MR) {
                 const char *pf_at = next + done * 64;
@@ -1240,15 +1359,10 @@ static int tl_panels(const float *x, int64_t m, int64_t k, int64_t xs, const flo
                     state = (tl_argmax_state){best + r * TL_VL, column + r * TL_VL, p * TL_NR, 0};
                     am = &state;
                 }
-                switch (m1 - r < TL_MR ? m1 - r : TL_MR) {
-                case TL_MR: TL_LINEAR_PASS(TL_MR); break;
-#if TL_MR > 5
-                case 5: TL_LINEAR_PASS(5); break;
-                case 4: TL_LINEAR_PASS(4); break;
-                case 3: TL_LINEAR_PASS(3); break;
-#endif
-                case 2: TL_LINEAR_PASS(2); break;
-                case 1: TL_LINEAR_PASS(1); break;
+                if (bf) {
+                    TL_LINEAR_PASSES(1)
+                } else {
+                    TL_LINEAR_PASSES(0)
                 }
                 if (am)
                     nan |= state.nan;
@@ -1297,7 +1411,16 @@ int tl_linear_panels(const float *x, int64_t m, int64_t k, int64_t xs, const flo
                      const float *bias, float *out, int64_t os, int num_threads) {
     if (m < 0 || k < 1 || n < 1 || xs < k || os < n)
         return TL_BAD_SHAPE;
-    return tl_panels(x, m, k, xs, panels, n, bias, out, os, NULL, num_threads);
+    return tl_panels(x, m, k, xs, panels, n, bias, out, os, NULL, 0, num_threads);
+}
+
+/* tl_linear_panels with bf16 x, panels, bias and out (uint16_t bit patterns); sums in float32,
+ * each output rounded to bf16 once. The panels are laid out as tl_panel_bf16_pairs() says. */
+int tl_linear_panels_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t xs, const uint16_t *panels,
+                          int64_t n, const uint16_t *bias, uint16_t *out, int64_t os, int num_threads) {
+    if (m < 0 || k < 1 || n < 1 || xs < k || os < n)
+        return TL_BAD_SHAPE;
+    return tl_panels(x, m, k, xs, panels, n, bias, out, os, NULL, 1, num_threads);
 }
 
 /* out[i] = argmax over n of (x[i] . W^T + bias)[n] without the [m, n] sums: the first column
@@ -1308,7 +1431,7 @@ int tl_linear_panels_argmax(const float *x, int64_t m, int64_t k, int64_t xs, co
                             const float *bias, int64_t *out, int num_threads) {
     if (m < 0 || m > TL_LINEAR_CHUNK || k < 1 || n < 1 || xs < k || n > INT32_MAX)
         return TL_BAD_SHAPE;
-    return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, num_threads);
+    return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, 0, num_threads);
 }
 
 /* Pins the caller's OpenMP team of n threads, thread i to cpus[i] (engine.cpuBind). libgomp

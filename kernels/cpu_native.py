@@ -199,6 +199,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     norm.argtypes = [ptr, i64, i64, i64, ptr, i32, ctypes.c_float, ptr, i64, i32]  # x, rows, cols, stride, w, dtype, eps, out, stride, threads
     lib.tl_panel_width.restype = i32
     lib.tl_panel_width.argtypes = []
+    lib.tl_panel_bf16_pairs.restype = i32
+    lib.tl_panel_bf16_pairs.argtypes = []
     linear = lib.tl_linear_panels
     linear.restype = i32
     linear.argtypes = [
@@ -213,6 +215,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, i64, ptr,  # panels, out features, bias (or NULL)
         ptr, i32,  # out (int64 per row), threads
     ]
+    linear_bf16 = lib.tl_linear_panels_bf16
+    linear_bf16.restype = i32
+    linear_bf16.argtypes = list(linear.argtypes)  # the same, with bf16 x, panels, bias and out
     lib.tl_bind_threads.restype = i32
     lib.tl_bind_threads.argtypes = [ptr, i32]  # cpus (int32 per thread), n
     return lib
@@ -536,48 +541,67 @@ def panel_width() -> Optional[int]:
     return None if lib is None else lib.tl_panel_width()
 
 
+def panel_bf16_pairs() -> bool:
+    """Whether this build multiplies bf16 panels natively (AVX512-BF16: pairs of k per
+    instruction); elsewhere bf16 panels are widened to float32 as they are read."""
+    lib = load()
+    return lib is not None and bool(lib.tl_panel_bf16_pairs())
+
+
 # Most rows PanelLinear.argmax takes in one call (TL_LINEAR_CHUNK in the C source).
 ARGMAX_MAX_ROWS = 96
 
 
 class PanelLinear:
-    """`F.linear(x, weight, bias)` for float32 CPU inputs, through `tl_linear_panels`: the
-    weight [N, K] is packed once into panels of `panel_width()` output columns ([ceil(N /
-    width), K, width], panel p the output columns [p * width, (p + 1) * width) transposed, zero
-    past N: a copy). Each output is the sum of x[k] * weight[n, k] in order of k, then the
-    bias: equal to F.linear up to summation order. Built for the few rows of a decode step
-    (runtime/cpu_dense.py says when it is used)."""
+    """`F.linear(x, weight, bias)` for float32 or bfloat16 CPU inputs (the weight's dtype),
+    through `tl_linear_panels` / `tl_linear_panels_bf16`: the weight [N, K] is packed once into
+    panels of `panel_width()` output columns ([ceil(N / width), K, width], panel p the output
+    columns [p * width, (p + 1) * width) transposed, zero past N: a copy). Each output is the
+    float32 sum of x[k] * weight[n, k] in order of k, then the bias (in bf16, rounded once to
+    bf16 at the end): equal to F.linear up to summation order. Built for the few rows of a
+    decode step (runtime/cpu_dense.py says when it is used)."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         lib = load()
         if lib is None:
             raise RuntimeError(f"native CPU kernels are not available: {_load_error}")
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.numel() == 0:
-            raise ValueError(f"PanelLinear needs a non-empty float32 CPU weight [N, K], got {weight.dtype} "
-                             f"{tuple(weight.shape)} on {weight.device}")
+        if (weight.dim() != 2 or weight.dtype not in self.DTYPES or weight.device.type != "cpu"
+                or weight.numel() == 0):
+            raise ValueError(f"PanelLinear needs a non-empty float32 or bfloat16 CPU weight [N, K], got "
+                             f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        self.dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
-        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"
+        if bias is not None and (bias.dtype != self.dtype or bias.device.type != "cpu"
                                  or bias.shape != (self.out_features,)):
-            raise ValueError(f"bias must be a float32 CPU vector of {self.out_features}, got "
+            raise ValueError(f"bias must be a {self.dtype} CPU vector of {self.out_features}, got "
                              f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
         self.width = lib.tl_panel_width()
-        padded = torch.zeros(-(-self.out_features // self.width) * self.width, self.in_features)
-        padded[: self.out_features] = weight.detach()
+        # bf16 on a CPU with AVX512-BF16: pairs of k side by side, [panels, ceil(K / 2), width, 2].
+        self.pairs = self.dtype == torch.bfloat16 and bool(lib.tl_panel_bf16_pairs())
+        k = self.in_features + (self.in_features % 2 if self.pairs else 0)
+        padded = torch.zeros(-(-self.out_features // self.width) * self.width, k, dtype=self.dtype)
+        padded[: self.out_features, : self.in_features] = weight.detach()
         # [panels, K, width]: each panel one contiguous stream of memory.
-        self.panels = padded.view(-1, self.width, self.in_features).transpose(1, 2).contiguous()
+        if self.pairs:
+            self.panels = padded.view(-1, self.width, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            self.panels = padded.view(-1, self.width, k).transpose(1, 2).contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self._lib = lib
+        self._linear = lib.tl_linear_panels if self.dtype == torch.float32 else lib.tl_linear_panels_bf16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = self.in_features
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
-            raise ValueError(f"PanelLinear takes float32 CPU input [..., {k}], got {x.dtype} "
+        if x.dtype != self.dtype or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
+            raise ValueError(f"PanelLinear takes {self.dtype} CPU input [..., {k}], got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device}")
         rows = x.reshape(-1, k)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        code = self._lib.tl_linear_panels(
+        out = torch.empty(rows.shape[0], self.out_features, dtype=self.dtype)
+        code = self._linear(
             rows.data_ptr(), rows.shape[0], k, rows.stride(0), self.panels.data_ptr(), self.out_features,
             None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), out.stride(0),
             torch.get_num_threads())
@@ -591,8 +615,8 @@ class PanelLinear:
         column of each row's maximum (the same sums as `self(x)`, so the same indices). None
         when a sum is NaN (torch would pick the first NaN: compute the sums instead)."""
         k = self.in_features
-        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k
-                or x.shape[0] > ARGMAX_MAX_ROWS):
+        if (self.dtype != torch.float32 or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+                or x.shape[1] != k or x.shape[0] > ARGMAX_MAX_ROWS):
             raise ValueError(f"PanelLinear.argmax takes float32 CPU input [<= {ARGMAX_MAX_ROWS}, {k}], got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
         rows = x if x.stride(-1) == 1 else x.contiguous()

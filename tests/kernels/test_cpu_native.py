@@ -675,12 +675,87 @@ def test_panel_argmax_ties_infinities_and_nans():
 
 def test_panel_linear_refuses_what_it_does_not_take():
     weight = torch.randn(32, 16)
-    for bad_weight in (weight.bfloat16(), weight.double(), weight[0], torch.empty(0, 16)):
-        with pytest.raises(ValueError, match="float32 CPU weight"):
+    for bad_weight in (weight.half(), weight.double(), weight[0], torch.empty(0, 16)):
+        with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):
             cpu_native.PanelLinear(bad_weight)
-    with pytest.raises(ValueError, match="bias must be a float32 CPU vector of 32"):
+    with pytest.raises(ValueError, match="bias must be a torch.float32 CPU vector of 32"):
         cpu_native.PanelLinear(weight, torch.zeros(31))
+    with pytest.raises(ValueError, match="bias must be a torch.bfloat16 CPU vector of 32"):
+        cpu_native.PanelLinear(weight.bfloat16(), torch.zeros(32))  # the weight's dtype, not float32
     linear = cpu_native.PanelLinear(weight)
     for bad_x in (torch.randn(4, 15), torch.randn(4, 16).double(), torch.randn(4, 16).bfloat16()):
-        with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 16\]"):
+        with pytest.raises(ValueError, match=r"torch.float32 CPU input \[\.\.\., 16\]"):
             linear(bad_x)
+    with pytest.raises(ValueError, match=r"torch.bfloat16 CPU input \[\.\.\., 16\]"):
+        cpu_native.PanelLinear(weight.bfloat16())(torch.randn(4, 16))
+    with pytest.raises(ValueError, match="PanelLinear.argmax takes float32"):
+        cpu_native.PanelLinear(weight.bfloat16()).argmax(torch.randn(4, 16).bfloat16())
+
+
+BF16_PANEL_CASES = [(1, 512, 1024), (5, 33, 65), (6, 256, 64), (7, 255, 100), (64, 512, 2752), (97, 64, 130),
+                    (300, 47, 200), (0, 16, 16)]
+
+
+def check_bf16_panels(rows, k, n, with_bias):
+    """One bf16 PanelLinear case against float64: every output within bf16 rounding of the exact
+    product, nearly all (float32 sums) exactly the exact product rounded to bf16; one thread
+    gives the same bits as two."""
+    gen = torch.Generator().manual_seed(rows * 131 + k * 7 + n)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    linear = cpu_native.PanelLinear(weight, bias)
+    pairs = cpu_native.panel_bf16_pairs()
+    assert linear.pairs == pairs
+    width = linear.width
+    assert linear.panels.shape == ((-(-n // width), (k + 1) // 2, width, 2) if pairs else (-(-n // width), k, width))
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            results.append(linear(x))
+        finally:
+            torch.set_num_threads(1)
+    got = results[0]
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert torch.equal(results[0], results[1])
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5)
+    if rows:
+        assert (got == want.bfloat16()).double().mean() >= 0.99
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows, k, n", BF16_PANEL_CASES)
+def test_bf16_panel_linear_matches_float64(rows, k, n, with_bias):
+    """bf16 x, weight and bias (this build's layout: pairs of k where the CPU has AVX512-BF16,
+    odd K included), row counts around the pass height and the 96-row items, partial panels."""
+    check_bf16_panels(rows, k, n, with_bias)
+
+
+def test_bf16_panel_linear_without_native_bf16_widens_the_weights(monkeypatch, tmp_path):
+    """The build for a CPU without AVX512-BF16 (forced with -mno-avx512bf16 where it has it):
+    [K][width] panels widened to float32 as they are read, the same results."""
+    probe = subprocess.run([cpu_native._compiler(), "-mno-avx512bf16", "-x", "c", "-", "-o", "/dev/null"],
+                           input="int main(void) { return 0; }", capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this compiler does not take -mno-avx512bf16: {probe.stderr[-300:]}")
+    monkeypatch.setattr(cpu_native, "FLAGS", cpu_native.FLAGS + ("-mno-avx512bf16",))
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
+    assert cpu_native.available(), cpu_native.load_error()
+    assert not cpu_native.panel_bf16_pairs()
+    for rows, k, n in BF16_PANEL_CASES:
+        check_bf16_panels(rows, k, n, with_bias=True)
+
+
+def test_bf16_panel_linear_is_exact_where_every_order_is():
+    """Small integers, exact in bf16 and in every float32 partial sum: F.linear's products to
+    the bit, whichever order (pairs or single k) adds them."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(-4, 5, (37, 97), generator=gen).bfloat16()
+    weight = torch.randint(-4, 5, (70, 97), generator=gen).bfloat16()
+    bias = torch.randint(-4, 5, (70,), generator=gen).bfloat16()
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).bfloat16()
+    assert torch.equal(cpu_native.PanelLinear(weight, bias)(x), want)

@@ -178,7 +178,9 @@ def test_float32_linears_get_panels_for_decode_batches():
     wide = prepack_linear(nn.Linear(cpu_dense.PANEL_MAX_IN_FEATURES + 1, 512, bias=False), keep_dense=False,
                           support=AVX2)
     assert wide.panels is None and wide.packed is not None
-    assert not cpu_dense.can_use_panels(torch.zeros(512, 512, dtype=BF16))
+    # bf16 only where the build multiplies bf16 pairs natively (AVX512-BF16)
+    assert cpu_dense.can_use_panels(torch.zeros(512, 512, dtype=BF16)) == cpu_native.panel_bf16_pairs()
+    assert not cpu_dense.can_use_panels(torch.zeros(512, 512, dtype=FP16))
 
 
 @needs_onednn
@@ -255,6 +257,34 @@ def test_prepacked_bf16_linear_matches_f_linear(shape, with_bias, keep_dense):
     assert got.dtype == BF16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
     assert (got == want).float().mean() >= 0.99
+
+
+@needs_native_bf16
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 16, 96, 97, 300])
+@pytest.mark.parametrize("keep_dense", [True, False])
+def test_bf16_decode_batches_take_the_bf16_panels_where_the_build_has_pairs(rows, keep_dense, monkeypatch):
+    """With AVX512-BF16 pairs in the build, a bf16 weight of at most
+    PANEL_MAX_IN_FEATURES_BF16 inputs multiplies `panel_rows()` batches through its panels and
+    the others through oneDNN's packed copy (kept even beside a dense weight: F.linear would
+    reorder a bf16 weight every call); both within bf16 rounding of F.linear."""
+    if not cpu_native.panel_bf16_pairs():
+        pytest.skip("this build has no native bf16 pairs (no AVX512-BF16): bf16 weights get no panels")
+    torch.manual_seed(rows)
+    linear = nn.Linear(cpu_dense.PANEL_MAX_IN_FEATURES_BF16, 512, bias=True).to(BF16)
+    layer = prepack_linear(linear, keep_dense=keep_dense)
+    assert layer.panel_rows == cpu_dense.panel_rows() and layer.packed is not None
+    assert prepack_linear(nn.Linear(cpu_dense.PANEL_MAX_IN_FEATURES_BF16 + 2, 512).to(BF16)).panels is None
+    used = []
+    panels_call, onednn = cpu_native.PanelLinear.__call__, torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_native.PanelLinear, "__call__", lambda self, x: used.append("panels") or panels_call(self, x))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: used.append("onednn") or onednn(*a))
+    x = torch.randn(rows, cpu_dense.PANEL_MAX_IN_FEATURES_BF16).to(BF16)
+    with torch.inference_mode():
+        got, want = layer(x), F.linear(x.float(), linear.weight.float(), linear.bias.float())
+    assert used == ["panels" if rows in cpu_dense.panel_rows() else "onednn"]
+    assert got.dtype == BF16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
 
 
 @needs_native_bf16
