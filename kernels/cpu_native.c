@@ -1222,7 +1222,9 @@ static inline __attribute__((always_inline)) void tl_linear_pass(
             memcpy(&column, am->column + i * TL_VL, sizeof column);
             for (int v = 0; v < 4; ++v) {
                 const tl_vi col = lane + (int32_t)(am->col0 + v * TL_VL);
-                const tl_vf y = acc[i][v];
+                /* bf16: compare the sums rounded as the outputs would be (ties as torch sees them) */
+                const tl_vf y = BF ? (tl_vf)(__builtin_convertvector(tl_narrow_bf16(acc[i][v]), tl_vu) << 16)
+                                   : acc[i][v];
                 /* Columns past n (the zero padding of the last panel) never win. */
                 const tl_vi valid = col < (int32_t)(am->col0 + ncols);
                 nan |= (y != y) & valid;
@@ -1289,8 +1291,9 @@ static inline __attribute__((always_inline)) void tl_linear_pass(
     }
 #endif
 
-/* tl_linear_panels(_bf16), or with `argmax` (float32 only, m <= TL_LINEAR_CHUNK) the first
- * column of each row's largest sum instead of the sums. `bf`: every operand is bf16. */
+/* tl_linear_panels(_bf16), or with `argmax` (m <= TL_LINEAR_CHUNK) the first column of each
+ * row's largest sum (in bf16, of the sums rounded to bf16) instead of the sums. `bf`: every
+ * operand is bf16. */
 static int tl_panels(const void *x, int64_t m, int64_t k, int64_t xs, const void *panels, int64_t n,
                      const void *bias, void *out, int64_t os, int64_t *argmax, int bf, int num_threads) {
     const int64_t num_panels = (n + TL_NR - 1) / TL_NR, chunks = (m + TL_LINEAR_CHUNK - 1) / TL_LINEAR_CHUNK;
@@ -1432,6 +1435,15 @@ int tl_linear_panels_argmax(const float *x, int64_t m, int64_t k, int64_t xs, co
     if (m < 0 || m > TL_LINEAR_CHUNK || k < 1 || n < 1 || xs < k || n > INT32_MAX)
         return TL_BAD_SHAPE;
     return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, 0, num_threads);
+}
+
+/* tl_linear_panels_argmax of bf16 operands: the argmax of the sums each rounded to bf16, as
+ * torch.argmax of tl_linear_panels_bf16's outputs (equal roundings: the first column). */
+int tl_linear_panels_argmax_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t xs, const uint16_t *panels,
+                                 int64_t n, const uint16_t *bias, int64_t *out, int num_threads) {
+    if (m < 0 || m > TL_LINEAR_CHUNK || k < 1 || n < 1 || xs < k || n > INT32_MAX)
+        return TL_BAD_SHAPE;
+    return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, 1, num_threads);
 }
 
 /* Pins the caller's OpenMP team of n threads, thread i to cpus[i] (engine.cpuBind). libgomp

@@ -218,6 +218,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     linear_bf16 = lib.tl_linear_panels_bf16
     linear_bf16.restype = i32
     linear_bf16.argtypes = list(linear.argtypes)  # the same, with bf16 x, panels, bias and out
+    argmax_bf16 = lib.tl_linear_panels_argmax_bf16
+    argmax_bf16.restype = i32
+    argmax_bf16.argtypes = list(argmax.argtypes)  # the same, with bf16 x, panels and bias
     lib.tl_bind_threads.restype = i32
     lib.tl_bind_threads.argtypes = [ptr, i32]  # cpus (int32 per thread), n
     return lib
@@ -591,6 +594,8 @@ class PanelLinear:
         self.bias = None if bias is None else bias.detach().contiguous()
         self._lib = lib
         self._linear = lib.tl_linear_panels if self.dtype == torch.float32 else lib.tl_linear_panels_bf16
+        self._argmax = (lib.tl_linear_panels_argmax if self.dtype == torch.float32
+                        else lib.tl_linear_panels_argmax_bf16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = self.in_features
@@ -610,18 +615,19 @@ class PanelLinear:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def argmax(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """`self(x).argmax(dim=-1)` of a float32 CPU matrix x [rows, in_features], rows at most
-        ARGMAX_MAX_ROWS, without making the [rows, out_features] sums: int64 [rows], the first
-        column of each row's maximum (the same sums as `self(x)`, so the same indices). None
-        when a sum is NaN (torch would pick the first NaN: compute the sums instead)."""
+        """`self(x).argmax(dim=-1)` of a CPU matrix x [rows, in_features] of the weight's dtype,
+        rows at most ARGMAX_MAX_ROWS, without making the [rows, out_features] outputs: int64
+        [rows], the first column of each row's maximum (the same sums as `self(x)`, in bf16
+        rounded as its outputs are, so the same indices). None when a sum is NaN (torch would
+        pick the first NaN: compute the outputs instead)."""
         k = self.in_features
-        if (self.dtype != torch.float32 or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
-                or x.shape[1] != k or x.shape[0] > ARGMAX_MAX_ROWS):
-            raise ValueError(f"PanelLinear.argmax takes float32 CPU input [<= {ARGMAX_MAX_ROWS}, {k}], got "
+        if (x.dtype != self.dtype or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k
+                or x.shape[0] > ARGMAX_MAX_ROWS):
+            raise ValueError(f"PanelLinear.argmax takes {self.dtype} CPU input [<= {ARGMAX_MAX_ROWS}, {k}], got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
         rows = x if x.stride(-1) == 1 else x.contiguous()
         out = torch.empty(rows.shape[0], dtype=torch.int64)
-        code = self._lib.tl_linear_panels_argmax(
+        code = self._argmax(
             rows.data_ptr(), rows.shape[0], k, rows.stride(0), self.panels.data_ptr(), self.out_features,
             None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
         if code == TL_NAN:

@@ -225,7 +225,7 @@ class PrepackedLinear(nn.Module):
         it does not (other row counts or dtypes), and for a NaN among the sums."""
         rows = x.shape[0] if x.dim() == 2 else 0
         if (self.panels is None or rows not in self.panel_rows or rows > cpu_native.ARGMAX_MAX_ROWS
-                or x.dtype != torch.float32):
+                or x.dtype != self.panels.dtype):
             return None
         return self.panels.argmax(x)
 

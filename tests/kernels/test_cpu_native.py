@@ -622,27 +622,46 @@ def test_panel_linear_takes_strided_and_batched_inputs():
     torch.testing.assert_close(linear(columns), columns @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows, k, n", [
     (1, 64, 100), (5, 33, 257), (6, 256, 64), (7, 48, 65), (64, 256, 32000), (96, 128, 1000), (0, 16, 16),
 ])
-def test_panel_argmax_is_the_argmax_of_the_panel_sums(rows, k, n, with_bias, threads):
-    """The fused argmax picks from the very sums `linear(x)` returns: torch.argmax of them,
-    bit for bit, across pass heights, partial last panels (whose zero padding never wins) and
-    threads (each holding a range of columns)."""
+def test_panel_argmax_is_the_argmax_of_the_panel_sums(rows, k, n, with_bias, threads, dtype):
+    """The fused argmax picks from the very sums `linear(x)` returns (in bf16, rounded as its
+    outputs are, so ties among the rounded values go to the first column): torch.argmax of
+    them, bit for bit, across pass heights, partial last panels (whose zero padding never wins)
+    and threads (each holding a range of columns)."""
     gen = torch.Generator().manual_seed(rows * 17 + k + n)
-    x = torch.randn(rows, k, generator=gen)
-    weight = torch.randn(n, k, generator=gen) / k ** 0.5
-    bias = torch.randn(n, generator=gen) if with_bias else None
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     linear = cpu_native.PanelLinear(weight, bias)
     torch.set_num_threads(threads)
     try:
         got = linear.argmax(x)
-        want = linear(x).argmax(dim=-1)
+        want = linear(x).float().argmax(dim=-1)
     finally:
         torch.set_num_threads(1)
     assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_bf16_panel_argmax_breaks_ties_of_the_rounded_sums():
+    """Sums that differ in float32 but round to the same bf16 value tie, as in the bf16 logits
+    the unfused path would compare: the first column wins; NaN gives up."""
+    weight = torch.zeros(200, 2)
+    weight[7] = torch.tensor([1.0, 2 ** -12])  # 1 + 2^-12 rounds to 1.0 in bf16
+    weight[150] = torch.tensor([1.0, 0.0])
+    x = torch.ones(2, 2).bfloat16()
+    linear = cpu_native.PanelLinear(weight.bfloat16())
+    assert linear(x)[0, 7] == linear(x)[0, 150] == 1.0
+    assert linear.argmax(x).tolist() == [7, 7]
+    weight[150] = torch.tensor([1.0, 2 ** -6])  # 1 + 2^-6 is a bf16 value: column 150 wins
+    assert cpu_native.PanelLinear(weight.bfloat16()).argmax(x).tolist() == [150, 150]
+    nan = x.clone()
+    nan[1, 0] = float("nan")
+    assert linear.argmax(nan) is None
 
 
 def test_panel_argmax_ties_infinities_and_nans():
@@ -688,8 +707,8 @@ def test_panel_linear_refuses_what_it_does_not_take():
             linear(bad_x)
     with pytest.raises(ValueError, match=r"torch.bfloat16 CPU input \[\.\.\., 16\]"):
         cpu_native.PanelLinear(weight.bfloat16())(torch.randn(4, 16))
-    with pytest.raises(ValueError, match="PanelLinear.argmax takes float32"):
-        cpu_native.PanelLinear(weight.bfloat16()).argmax(torch.randn(4, 16).bfloat16())
+    with pytest.raises(ValueError, match="PanelLinear.argmax takes torch.bfloat16"):
+        cpu_native.PanelLinear(weight.bfloat16()).argmax(torch.randn(4, 16))
 
 
 BF16_PANEL_CASES = [(1, 512, 1024), (5, 33, 65), (6, 256, 64), (7, 255, 100), (64, 512, 2752), (97, 64, 130),

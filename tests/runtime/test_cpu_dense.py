@@ -267,7 +267,8 @@ def test_bf16_decode_batches_take_the_bf16_panels_where_the_build_has_pairs(rows
     """With AVX512-BF16 pairs in the build, a bf16 weight of at most
     PANEL_MAX_IN_FEATURES_BF16 inputs multiplies `panel_rows()` batches through its panels and
     the others through oneDNN's packed copy (kept even beside a dense weight: F.linear would
-    reorder a bf16 weight every call); both within bf16 rounding of F.linear."""
+    reorder a bf16 weight every call); both within bf16 rounding of F.linear. The fused
+    argmax serves the panel rows only."""
     if not cpu_native.panel_bf16_pairs():
         pytest.skip("this build has no native bf16 pairs (no AVX512-BF16): bf16 weights get no panels")
     torch.manual_seed(rows)
@@ -285,6 +286,12 @@ def test_bf16_decode_batches_take_the_bf16_panels_where_the_build_has_pairs(rows
     assert used == ["panels" if rows in cpu_dense.panel_rows() else "onednn"]
     assert got.dtype == BF16
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
+    # a greedy head's fused argmax: the argmax of these very outputs, where the panels serve
+    tokens = layer.argmax(x)
+    if rows in cpu_dense.panel_rows():
+        assert torch.equal(tokens, got.float().argmax(dim=-1))
+    else:
+        assert tokens is None
 
 
 @needs_native_bf16
