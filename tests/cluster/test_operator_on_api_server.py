@@ -220,7 +220,17 @@ def test_operator_cannot_read_secrets(operator: Run, workdir: Path):
 
 
 @pytest.fixture(scope="module")
-def kubelet(samples: Cluster, workdir: Path):
+def before_ready(samples: Cluster, operator: Run) -> dict:
+    """tiny's owned objects, their last applies, the time and the operator's reconcile count,
+    taken before the stand-in kubelet starts: the pod can turn Ready (and the operator
+    reconcile) at once, before a test body could look."""
+    objects = owned(samples, WORKLOAD_NS, "tiny")
+    return {"objects": objects, "applied": applied_at(objects), "since": now_stamp(),
+            "reconciles": operator.process.reconciles()}
+
+
+@pytest.fixture(scope="module")
+def kubelet(samples: Cluster, workdir: Path, before_ready: dict):
     """../shared/k8s/kubelet-standin.sh marks tiny's pods Ready (the Deployment status changes)
     and keeps a local file equal to the ConfigMap, as a mounted volume would."""
     config_file = workdir / "mounted" / "runtime.yaml"
@@ -230,11 +240,10 @@ def kubelet(samples: Cluster, workdir: Path):
         yield config_file
 
 
-def test_zero_writes_to_owned_objects_while_the_deployment_status_changes(samples: Cluster, operator: Run, kubelet):
-    objects = owned(samples, WORKLOAD_NS, "tiny")
-    before = applied_at(objects)
-    since = now_stamp()
-    reconciles = operator.process.reconciles()
+def test_zero_writes_to_owned_objects_while_the_deployment_status_changes(samples: Cluster, operator: Run, kubelet,
+                                                                           before_ready: dict):
+    objects, before = before_ready["objects"], before_ready["applied"]
+    since, reconciles = before_ready["since"], before_ready["reconciles"]
     # The stand-in kubelet marks the pod Ready: the controller manager updates the Deployment's
     # status, the operator sees the event, reconciles, and reports readiness in status.
     msvc = wait_for(lambda: (m := samples.get("msvc", "tiny", WORKLOAD_NS)) and
