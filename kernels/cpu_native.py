@@ -525,13 +525,15 @@ def paged_decode_attention(
 
 
 def bind_threads(cpus: list[int]) -> Optional[int]:
-    """Pin the calling thread's OpenMP team (torch's pool for this thread), thread i to
-    cpus[i], and set torch's thread count to len(cpus). Returns the threads pinned, or None
-    when the library is missing or was built without OpenMP (nothing pinned)."""
-    lib = load()
-    if lib is None or not cpus:
+    """Set torch's thread count to len(cpus) and pin the calling thread's OpenMP team (torch's
+    pool for this thread), thread i to cpus[i]. Returns the threads pinned, or None when the
+    library is missing or was built without OpenMP (nothing pinned)."""
+    if not cpus:
         return None
     torch.set_num_threads(len(cpus))
+    lib = load()
+    if lib is None:
+        return None
     array = (ctypes.c_int32 * len(cpus))(*cpus)
     pinned = lib.tl_bind_threads(ctypes.cast(array, ctypes.c_void_p), len(cpus))
     return None if pinned < 0 else pinned

@@ -152,8 +152,8 @@ class Placement:
 
     # Compute thread i is pinned to engine_cpus[i]; () = not pinned (torch's own count).
     engine_cpus: tuple[int, ...] = ()
-    # CPUs of the server's event loop thread (and, with coreProcess, of its whole process);
-    # () = every allowed CPU.
+    # CPUs of the server process's other threads (the event loop's and the rest; with
+    # coreProcess, all of them); () = every allowed CPU.
     server_cpus: tuple[int, ...] = ()
     # The process's allowed CPUs when planned (what "every allowed CPU" means).
     allowed: tuple[int, ...] = ()
@@ -229,9 +229,9 @@ def bind_compute_threads(placement: Placement) -> str:
 
 def confine_server_threads(placement: Placement) -> None:
     """In the server's process, once the engine is loaded and before the step thread starts:
-    run every thread it has (the event loop's, torch's idle pool from loading, the engine
-    core's reader) and every thread started from now on on the server's CPUs, or on every
-    allowed CPU. The step thread inherits this and then pins itself."""
+    run every thread it has (the event loop's, torch's idle pool from loading) and so every
+    thread started from now on on the server's CPUs, or on every allowed CPU. The step thread
+    (in-process loop) inherits this and then pins itself."""
     if not placement.pinned:
         return
     cpus = placement.server_cpus or placement.allowed

@@ -182,3 +182,35 @@ def test_a_step_loop_thread_pins_its_compute_threads_one_per_cpu(tiny_model_dir)
     assert any(mask == {first} for tid, mask in masks.items() if tid != seen["me"])
     assert masks[threading.get_native_id()] != {second}  # the caller's own thread is left alone
     assert len(seen["tokens"]) == 6
+
+
+def test_without_the_native_library_the_step_thread_is_confined_not_pinned(monkeypatch):
+    """No native library (no C compiler): the compute threads cannot be pinned one per CPU, so
+    the step thread (and the pool threads it starts) keeps to the listed CPUs, with that many
+    threads, and the log says why."""
+    import torch
+
+    from tokenlane.kernels import cpu_native
+    from tokenlane.runtime.cpu_placement import bind_compute_threads
+
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    monkeypatch.setattr(cpu_native, "load_error", lambda: "no C compiler ('cc' not found; set CC)")
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    placement = Placement((cpu,), (), tuple(sorted(os.sched_getaffinity(0))), "test")
+    threads = torch.get_num_threads()
+    seen = {}
+
+    def step_thread():
+        seen["said"] = bind_compute_threads(placement)
+        seen["mask"] = os.sched_getaffinity(0)
+        seen["threads"] = torch.get_num_threads()
+
+    try:
+        thread = threading.Thread(target=step_thread)
+        thread.start()
+        thread.join(30)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen["mask"] == {cpu} and seen["threads"] == 1
+    assert seen["said"] == f"compute threads confined to {cpu}, not one per CPU (no C compiler ('cc' not found; set CC))"
+    assert os.sched_getaffinity(0) == set(placement.allowed)  # the caller's thread is untouched
