@@ -561,7 +561,8 @@ class PanelLinear:
     """`F.linear(x, weight, bias)` for float32 or bfloat16 CPU inputs (the weight's dtype),
     through `tl_linear_panels` / `tl_linear_panels_bf16`: the weight [N, K] is packed once into
     panels of `panel_width()` output columns ([ceil(N / width), K, width], panel p the output
-    columns [p * width, (p + 1) * width) transposed, zero past N: a copy). Each output is the
+    columns [p * width, (p + 1) * width) transposed, zero past N: a copy; bf16 where the build
+    has AVX512-BF16: [ceil(N / width), ceil(K / 2), width, 2], pairs of k). Each output is the
     float32 sum of x[k] * weight[n, k] in order of k, then the bias (in bf16, rounded once to
     bf16 at the end): equal to F.linear up to summation order. Built for the few rows of a
     decode step (runtime/cpu_dense.py says when it is used)."""
@@ -594,7 +595,6 @@ class PanelLinear:
         else:
             self.panels = padded.view(-1, self.width, k).transpose(1, 2).contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
-        self._lib = lib
         self._linear = lib.tl_linear_panels if self.dtype == torch.float32 else lib.tl_linear_panels_bf16
         self._argmax = (lib.tl_linear_panels_argmax if self.dtype == torch.float32
                         else lib.tl_linear_panels_argmax_bf16)

@@ -54,18 +54,18 @@ from 2^16 elements.
 
 bf16 panels. Where the build has AVX512-BF16, bf16 weights of at most
 PANEL_MAX_IN_FEATURES_BF16 inputs also get panels, holding pairs of k side by side so that one
-instruction (vdpbf16ps) adds two products to 16 sums, and decode batches of `panel_rows()`
-rows multiply them; the other batches keep oneDNN's packed copy. On a 2-core Zen 4 they ran
-1.0-2.0x oneDNN's packed bf16 at 1-96 rows for every projection and the head of the 19M model,
-and 0.96-1.7x for 44M-sized ones ([1376 x 512], [512 x 1376], [32000 x 512]; the most at 32 rows
-and fewer), and a whole bf16 decode step of the 19M model 1.30x (1
-sequence), 1.26x (4), 1.22x (16) and 1.14x (64) faster, alternated in one process. Without
-AVX512-BF16 a bf16 panel is widened to float32 as it is read, which lost to oneDNN from 16
-rows: such builds give bf16 weights no panels (and there `cpuComputeDtype: auto` computes in
-float32 anyway). The per-layer weights keep oneDNN's copy for prefill beside the panels, so
-those with panels are held twice; the input limit bounds that (hidden size 1024, intermediate
-2816, 24 layers: the projections but the down one, about 0.4 GB more), and keeps the 44M model's down projection (1376 inputs, 1.0-1.7x)
-on oneDNN.
+instruction (vdpbf16ps) adds two products to 16 sums, and decode batches of `panel_rows()` rows
+multiply them; the other batches keep oneDNN's packed copy. On a 2-core Zen 4 they ran 1.0-2.0x
+oneDNN's packed bf16 at 1-96 rows for every projection and the head of the 19M model, and
+0.96-1.7x for 44M-sized ones ([1376 x 512], [512 x 1376], [32000 x 512]; the most at 32 rows
+and fewer), and a whole bf16 decode step of the 19M model 1.30x (1 sequence), 1.26x (4), 1.22x
+(16) and 1.14x (64) faster, alternated in one process. Without AVX512-BF16 a bf16 panel is
+widened to float32 as it is read, which lost to oneDNN from 16 rows: such builds give bf16
+weights no panels (and there `cpuComputeDtype: auto` computes in float32 anyway). The per-layer
+weights keep oneDNN's copy for prefill beside the panels, so those with panels are held twice;
+the input limit bounds that (hidden size 1024, intermediate 2816, 24 layers: the projections
+but the down one, about 0.4 GB more), and keeps the 44M model's down projection (1376 inputs,
+1.0-1.7x) on oneDNN.
 """
 
 from __future__ import annotations
