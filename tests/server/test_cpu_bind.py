@@ -9,12 +9,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from serve_process import start_serve
+
+from tokenlane.kernels import cpu_native
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 
-pytestmark = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs to keep the server and the engine apart")
+pytestmark = [
+    pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs to keep the server and the engine apart"),
+    pytest.mark.skipif(not cpu_native.available(), reason=f"no native library to pin with: {cpu_native.load_error()}"),
+]
 
 
 def thread_masks(pid: int) -> dict[int, set[int]]:
