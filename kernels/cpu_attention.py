@@ -96,12 +96,18 @@ def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
     # Most calls here are small: run them on one thread, as an OpenMP fork/join per op costs
     # more than the op (and far more on a busy host). Big ones get all threads back.
     threads = torch.get_num_threads()
-    if plan.native_decodes is not None:
-        _attend_decodes_native(query, key_cache, value_cache, block_tables, plan.native_decodes,
-                               scale, out, threads)
-    if plan.native_prefills is not None:
-        _attend_prefills_native(query, key_cache, value_cache, block_tables, plan.native_prefills,
-                                scale, out, threads)
+    if plan.native_decodes is not None or plan.native_prefills is not None:
+        from tokenlane.kernels import cpu_native
+
+        # In a pool step (cpu_native.pool_step) the C kernels take the helper pool, else the OpenMP team.
+        native_threads = cpu_native.pool_threads()
+        pool = cpu_native.in_pool_step()
+        if plan.native_decodes is not None:
+            _attend_decodes_native(query, key_cache, value_cache, block_tables, plan.native_decodes,
+                                   scale, out, native_threads, pool)
+        if plan.native_prefills is not None:
+            _attend_prefills_native(query, key_cache, value_cache, block_tables, plan.native_prefills,
+                                    scale, out, native_threads, pool)
     try:
         current = threads
         for group in plan.decode_groups:
@@ -327,7 +333,7 @@ def _attend_decode_group(query, key_cache, value_cache, group, scale, out):
 
 
 def _attend_decodes_native(query, key_cache, value_cache, block_tables, decodes, scale, out,
-                           threads):
+                           threads, pool=False):
     from tokenlane.kernels import cpu_native
 
     num_kv_heads = key_cache.shape[2]
@@ -339,14 +345,14 @@ def _attend_decodes_native(query, key_cache, value_cache, block_tables, decodes,
     o = out if out.dtype == torch.float32 else _scratch("o32", out.shape, torch.float32, out.device)
     cpu_native.paged_decode_attention(
         q, key_cache, value_cache, block_tables, decodes.rows, decodes.seqs, decodes.lens,
-        decodes.max_len, scale, o, threads)
+        decodes.max_len, scale, o, threads, pool)
     if o is not out:
         rows = decodes.rows.long()
         out.index_copy_(0, rows, o.index_select(0, rows).to(out.dtype))
 
 
 def _attend_prefills_native(query, key_cache, value_cache, block_tables, prefills, scale, out,
-                            threads):
+                            threads, pool=False):
     from tokenlane.kernels import cpu_native
 
     if prefills.work < _PARALLEL_WORK:
@@ -355,7 +361,7 @@ def _attend_prefills_native(query, key_cache, value_cache, block_tables, prefill
     o = out if out.dtype == torch.float32 else _scratch("o32", out.shape, torch.float32, out.device)
     cpu_native.paged_prefill_attention(
         q, key_cache, value_cache, block_tables, prefills.q_starts, prefills.q_lens,
-        prefills.ctx_lens, prefills.seqs, scale, o, threads)
+        prefills.ctx_lens, prefills.seqs, scale, o, threads, pool)
     if o is not out:
         for start, n in zip(prefills.q_starts.tolist(), prefills.q_lens.tolist()):
             out[start : start + n] = o[start : start + n].to(out.dtype)

@@ -9,10 +9,9 @@
  *   2. p[h][t] = exp(s[h][t] - max[h]) and their sum (a vectorizable exp, below);
  *   3. out[h] = sum_t p[h][t] V[t] / sum.
  * The cache may be float32, bfloat16 or float16; rows are widened to float32 as they are read,
- * and every sum is in float32. Items are handed out to `num_threads` threads (an OpenMP team
- * of the caller's: under torch, torch's own pool; or, built without OpenMP, the caller and
- * num_threads - 1 pthreads) through one atomic counter, in the caller's order (longest contexts
- * first balances the threads).
+ * and every sum is in float32. Items are handed out to the caller and up to `num_threads` - 1
+ * helper threads (the helper pool, below) in the caller's order (longest contexts first
+ * balances the threads).
  *
  * Built with -O3 -march=native -fopenmp (or -fopenmp-simd -pthread): `#pragma omp simd` lets
  * the float reductions of the generic path vectorize without -ffast-math; the vector path uses
@@ -21,7 +20,8 @@
  * Also here: `tl_argmax_rows`, greedy sampling's argmax, `tl_write_kv`, the KV cache
  * write (a scatter of K/V rows to their cache slots), `tl_rope_write_kv`, RoPE on a layer's
  * queries and keys then that write, `tl_rms_norm`, RMSNorm (float32, bf16), and
- * `tl_bind_threads`, which pins the caller's OpenMP team one thread per CPU (engine.cpuBind).
+ * `tl_bind_threads`, which pins the caller's OpenMP team and the helper pool's threads one per
+ * CPU (engine.cpuBind).
  */
 #define _GNU_SOURCE /* sched_setaffinity, CPU_SET */
 #include <float.h>
@@ -45,6 +45,244 @@ enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3, TL_NAN =
 #define TL_MAX_HEADS 256 /* query heads of one work item (the vector path) */
 #define TL_MAX_GROUP_FIXED 8 /* the largest G with a compiled vector path (TL_FIXED) */
 
+/* ------------------------------------------------------------------ the helper pool
+ *
+ * The small kernels of a decode step (decode attention, the panel products and the fused
+ * greedy head: tens of microseconds each) share their items out through this pool instead of
+ * an OpenMP team. An OpenMP region ends in a barrier that waits for every team thread, so a
+ * team thread that another process (the HTTP server's threads, the load generator) has
+ * preempted stalls the whole region until it runs again: on a 2-core host serving 16 streams
+ * the second thread then bought nothing over one (served output tokens/s equal at 1 and 2
+ * threads). Here items are claimed one at a time from one atomic word, the caller claims too,
+ * and the caller waits only for items a helper has claimed and not finished: a helper that
+ * has not shown up by the time the items run out takes none, and the caller does them all.
+ *
+ * The word holds (epoch 16 bits | items 24 | next 24): a claim is one compare-and-swap of it,
+ * valid only while next < items of the task it names, so a helper late from an earlier task
+ * can never claim into the next one. The task's function and context are published before the
+ * word (release) and read after a successful claim (acquire): the caller cannot change them
+ * while a claimed item is unfinished. Helpers wait for a new task spinning for a while
+ * (TOKENLANE_POOL_SPIN_US, default 1000 microseconds: the gaps between the kernels of a step
+ * and between decode steps; waking a sleeping helper costs tens of microseconds, an idle vCPU
+ * more), then sleep on a futex; `tl_pool_park` sends them to sleep at once (before a step that
+ * runs on torch's OpenMP threads, which need the cores). One caller at a time: a second
+ * concurrent caller (another engine in the process) runs its items alone. A forked child starts
+ * with no helpers. */
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef void (*tl_item_fn)(void *ctx, int64_t item, int worker);
+
+#define TL_POOL_MAX 255          /* helpers */
+#define TL_POOL_ITEMS (1 << 24)  /* items of one task: more run on the caller alone */
+
+static struct {
+    pthread_mutex_t lock;        /* held by the caller of the current task */
+    uint64_t word;               /* epoch << 48 | items << 24 | next (atomic) */
+    uint32_t seq;                /* bumped per task: the helpers' futex word (atomic) */
+    int sleepers;                /* helpers asleep on seq (atomic) */
+    int parked;                  /* 1: helpers sleep now instead of spinning (atomic) */
+    int64_t done;                /* items of the current task finished (atomic) */
+    int64_t helper_items;        /* items the helpers ran, ever (atomic; tests, diagnostics) */
+    tl_item_fn fn;
+    void *ctx;
+    int active;                  /* threads of the current task, the caller included */
+    int helpers;                 /* helper threads started */
+    int spin_us;
+    int32_t cpus[TL_POOL_MAX + 1]; /* engine.cpuBind: CPU of worker i, or -1 */
+    pthread_t threads[TL_POOL_MAX];
+} tl_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_us = -1};
+
+static inline void tl_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t tl_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void tl_pin_self(int cpu) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE)
+        return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    sched_setaffinity(0, sizeof(set), &set);
+}
+
+/* Claims and runs items of the current task until none is left. */
+static void tl_pool_claim(int worker) {
+    for (;;) {
+        uint64_t w = __atomic_load_n(&tl_pool.word, __ATOMIC_ACQUIRE);
+        const int64_t next = (int64_t)(w & 0xffffff), items = (int64_t)(w >> 24 & 0xffffff);
+        if (next >= items)
+            return;
+        if (!__atomic_compare_exchange_n(&tl_pool.word, &w, w + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        tl_pool.fn(tl_pool.ctx, next, worker);
+        if (worker)
+            __atomic_add_fetch(&tl_pool.helper_items, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&tl_pool.done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static void *tl_pool_helper(void *arg) {
+    const int worker = (int)(intptr_t)arg;
+    char name[16];
+    snprintf(name, sizeof name, "tl-pool-%d", worker); /* as top -H and /proc show it */
+    pthread_setname_np(pthread_self(), name);
+    tl_pin_self(tl_pool.cpus[worker]);
+    uint32_t seen = __atomic_load_n(&tl_pool.seq, __ATOMIC_ACQUIRE);
+    for (;;) {
+        uint32_t s;
+        int64_t since = tl_now_ns();
+        for (int spins = 1; (s = __atomic_load_n(&tl_pool.seq, __ATOMIC_ACQUIRE)) == seen; ++spins) {
+            if (spins % 64 == 0 && (__atomic_load_n(&tl_pool.parked, __ATOMIC_RELAXED)
+                                    || tl_now_ns() - since > (int64_t)tl_pool.spin_us * 1000)) {
+                __atomic_add_fetch(&tl_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                if (__atomic_load_n(&tl_pool.seq, __ATOMIC_SEQ_CST) == seen)
+                    syscall(SYS_futex, &tl_pool.seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                __atomic_sub_fetch(&tl_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                since = tl_now_ns();
+            }
+            tl_pause();
+        }
+        seen = s;
+        if (worker < __atomic_load_n(&tl_pool.active, __ATOMIC_RELAXED))
+            tl_pool_claim(worker);
+    }
+    return NULL;
+}
+
+static void tl_pool_after_fork(void) {
+    pthread_mutex_init(&tl_pool.lock, NULL);
+    tl_pool.helpers = 0;
+    tl_pool.sleepers = 0;
+}
+
+/* Starts helpers up to `n` (fewer if a thread cannot be started). Called with the lock. */
+static void tl_pool_grow(int n) {
+    if (tl_pool.spin_us < 0) {
+        const char *env = getenv("TOKENLANE_POOL_SPIN_US");
+        tl_pool.spin_us = env && *env ? atoi(env) : 1000;
+        if (tl_pool.spin_us < 0)
+            tl_pool.spin_us = 0;
+        for (int i = 0; i <= TL_POOL_MAX; ++i)
+            tl_pool.cpus[i] = -1;
+        pthread_atfork(NULL, NULL, tl_pool_after_fork);
+    }
+    if (n > TL_POOL_MAX)
+        n = TL_POOL_MAX;
+    while (tl_pool.helpers < n) {
+        const int worker = tl_pool.helpers + 1;
+        if (pthread_create(&tl_pool.threads[tl_pool.helpers], NULL, tl_pool_helper, (void *)(intptr_t)worker))
+            break;
+        pthread_detach(tl_pool.threads[tl_pool.helpers]);
+        ++tl_pool.helpers;
+    }
+}
+
+/* fn(ctx, item, worker) for every item in [0, items), on the caller (worker 0) and up to
+ * num_threads - 1 helpers (workers 1, 2, ...); returns when every item is done. */
+static void tl_pool_run(tl_item_fn fn, void *ctx, int64_t items, int num_threads) {
+    if (num_threads > TL_POOL_MAX + 1)
+        num_threads = TL_POOL_MAX + 1;
+    if (num_threads <= 1 || items <= 1 || items >= TL_POOL_ITEMS || pthread_mutex_trylock(&tl_pool.lock)) {
+        for (int64_t i = 0; i < items; ++i)
+            fn(ctx, i, 0);
+        return;
+    }
+    tl_pool_grow(num_threads - 1);
+    static uint64_t epoch;
+    epoch = (epoch + 1) & 0xffff;
+    tl_pool.fn = fn;
+    tl_pool.ctx = ctx;
+    __atomic_store_n(&tl_pool.active, num_threads, __ATOMIC_RELAXED);
+    __atomic_store_n(&tl_pool.parked, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&tl_pool.done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&tl_pool.word, epoch << 48 | (uint64_t)items << 24, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&tl_pool.seq, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&tl_pool.sleepers, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &tl_pool.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    tl_pool_claim(0);
+    /* Only items a helper claimed and has not finished are left: it is running them (or was
+     * preempted in one), so yield the core now and then rather than spin it away. */
+    for (int spins = 1; __atomic_load_n(&tl_pool.done, __ATOMIC_ACQUIRE) < items; ++spins) {
+        if (spins % 256 == 0)
+            sched_yield();
+        else
+            tl_pause();
+    }
+    pthread_mutex_unlock(&tl_pool.lock);
+}
+
+/* How many items the helpers have run since the library was loaded. */
+int64_t tl_pool_helper_items(void) { return __atomic_load_n(&tl_pool.helper_items, __ATOMIC_RELAXED); }
+
+/* Helpers stop spinning and sleep until the next task. */
+void tl_pool_park(void) { __atomic_store_n(&tl_pool.parked, 1, __ATOMIC_RELAXED); }
+
+/* The same on the caller's OpenMP team (torch's pool), the items claimed from one counter. */
+static void tl_team_run(tl_item_fn fn, void *ctx, int64_t items, int num_threads) {
+    int64_t next = 0;
+    if (num_threads > items)
+        num_threads = (int)items;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(num_threads)
+#endif
+    {
+#ifdef _OPENMP
+        const int worker = omp_get_thread_num();
+#else
+        const int worker = 0;
+#endif
+        for (;;) {
+            const int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            if (item >= items)
+                break;
+            fn(ctx, item, worker);
+        }
+    }
+}
+
+/* The kernels' runner: the helper pool in a pool step (`pool`: the caller's torch runs on one
+ * thread, kernels/cpu_native.py), else the OpenMP team, as torch's own ops. */
+static void tl_run(tl_item_fn fn, void *ctx, int64_t items, int num_threads, int pool) {
+    if (pool)
+        tl_pool_run(fn, ctx, items, num_threads);
+    else
+        tl_team_run(fn, ctx, items, num_threads);
+}
+
+/* engine.cpuBind: worker i of the pool on cpus[i] (the caller pins itself: tl_bind_threads),
+ * helpers started before now moved at once. */
+static void tl_pool_bind(const int32_t *cpus, int n) {
+    pthread_mutex_lock(&tl_pool.lock);
+    tl_pool_grow(0);
+    for (int i = 0; i <= TL_POOL_MAX; ++i)
+        tl_pool.cpus[i] = i < n ? cpus[i] : -1;
+    for (int h = 0; h < tl_pool.helpers; ++h) {
+        const int cpu = tl_pool.cpus[h + 1];
+        if (cpu >= 0 && cpu < CPU_SETSIZE) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpu, &set);
+            pthread_setaffinity_np(tl_pool.threads[h], sizeof(set), &set);
+        }
+    }
+    pthread_mutex_unlock(&tl_pool.lock);
+}
+
 typedef struct {
     const float *q;           /* [T, Hq, D] */
     int64_t q_tok, q_head;    /* strides of q in elements (the D axis is contiguous) */
@@ -61,8 +299,6 @@ typedef struct {
     float scale;
     float *out;               /* [T, Hq, D] */
     int64_t o_tok, o_head;
-    int next;                 /* next work item (atomic) */
-    int failed;               /* set (atomic) when a thread could not allocate its scratch */
 } tl_job;
 
 /* 8-lane vectors (GCC vector extensions: AVX on x86, NEON pairs on Arm). */
@@ -447,27 +683,26 @@ static void tl_attend(const tl_job *j, int item, float *scores, float *row, floa
         tl_attend_any(j, decode, h, scores, row, acc);
 }
 
-static void *tl_worker(void *arg) {
-    tl_job *j = (tl_job *)arg;
-    const int heads = j->heads_per_item * (j->hq / j->hkv);
-    const int items = j->n * (j->hkv / j->heads_per_item);
-    /* acc [heads][d] first (32-byte aligned for the vector path), then row [d], scores
-     * [heads][max_len]. */
-    void *scratch = NULL;
-    if (posix_memalign(&scratch, 64, sizeof(float) * ((size_t)heads * (size_t)j->d + (size_t)j->d
-                                                       + (size_t)heads * (size_t)j->max_len))) {
-        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-        return NULL;
-    }
-    float *acc = scratch, *row = acc + (size_t)heads * j->d, *scores = row + j->d;
-    for (;;) {
-        const int item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (item >= items)
-            break;
-        tl_attend(j, item, scores, row, acc);
-    }
-    free(scratch);
-    return NULL;
+/* Floats of one worker's scratch: acc [heads][d] first (64-byte aligned for the vector path),
+ * then row [d], scores [heads][max_len]; rounded up to whole cache lines. */
+static size_t tl_scratch_floats(const tl_job *j) {
+    const size_t heads = (size_t)j->heads_per_item * (size_t)(j->hq / j->hkv);
+    const size_t n = heads * (size_t)j->d + (size_t)j->d + heads * (size_t)j->max_len;
+    return (n + 15) / 16 * 16;
+}
+
+typedef struct {
+    const tl_job *job;
+    float *scratch; /* [workers][tl_scratch_floats] */
+    size_t per_worker;
+} tl_decode_task;
+
+static void tl_decode_item(void *ctx, int64_t item, int worker) {
+    const tl_decode_task *t = (const tl_decode_task *)ctx;
+    const tl_job *j = t->job;
+    float *acc = t->scratch + (size_t)worker * t->per_worker;
+    float *row = acc + (size_t)j->heads_per_item * (size_t)(j->hq / j->hkv) * (size_t)j->d;
+    tl_attend(j, (int)item, row + j->d, row, acc);
 }
 
 /* Whether this build reads caches of `dtype` (float16 needs the compiler's _Float16). */
@@ -507,8 +742,8 @@ int tl_paged_decode_attention(
     const int32_t *tables, int64_t table_stride,
     const int32_t *rows, const int32_t *seqs, const int32_t *lens, int n,
     int hq, int hkv, int d, int block_size, int max_len, float scale,
-    float *out, int64_t o_tok, int64_t o_head, int num_threads, int64_t q_rows, int64_t table_rows,
-    int64_t num_blocks) {
+    float *out, int64_t o_tok, int64_t o_head, int num_threads, int pool, int64_t q_rows,
+    int64_t table_rows, int64_t num_blocks) {
     if (!tl_cache_dtype_ok(dtype))
         return TL_BAD_DTYPE;
     if (n < 0 || hkv <= 0 || hq % hkv || hq / hkv > TL_MAX_GROUP || d <= 0 || block_size <= 0
@@ -534,25 +769,13 @@ int tl_paged_decode_attention(
         num_threads = items;
     if (num_threads > 256)
         num_threads = 256;
-#ifdef _OPENMP
-    /* The caller's OpenMP team: with torch in the process this is torch's own thread pool (one
-     * libgomp per process), awake and spinning after torch's last parallel op. Threads of our
-     * own would have to share the cores with those spinning workers. */
-#pragma omp parallel num_threads(num_threads)
-    tl_worker(&job);
-#else
-    pthread_t threads[256];
-    int started = 0;
-    for (int i = 1; i < num_threads; ++i)
-        if (pthread_create(&threads[started], NULL, tl_worker, &job) == 0)
-            ++started;
-    tl_worker(&job);
-    for (int i = 0; i < started; ++i)
-        pthread_join(threads[i], NULL);
-#endif
-    /* A worker that failed to allocate took no item; if every thread failed, nothing ran. */
-    if (job.failed && __atomic_load_n(&job.next, __ATOMIC_RELAXED) < items)
+    tl_decode_task task = {.job = &job, .per_worker = tl_scratch_floats(&job)};
+    void *scratch = NULL;
+    if (posix_memalign(&scratch, 64, sizeof(float) * task.per_worker * (size_t)num_threads))
         return TL_NO_MEMORY;
+    task.scratch = scratch;
+    tl_run(tl_decode_item, &task, items, num_threads, pool);
+    free(scratch);
     return TL_OK;
 }
 
@@ -582,7 +805,7 @@ static inline float tl_from_bf16(uint16_t b) {
  * eight keys a pass for G = 2 and 4, 1.1x for G = 1 (300-token prompt, 2-core Xeon). Sums in
  * float32 (widened as read for bf16 / fp16 caches), in the same order whatever the blocking.
  * Items go to the caller's OpenMP team through one atomic counter (one thread in a build
- * without OpenMP). */
+ * without OpenMP), or in a pool step to the helper pool (tl_run). */
 
 #if defined(__AVX512F__)
 #define TL_VL 16 /* rows per work item: the widest float vector of the build */
@@ -629,7 +852,6 @@ typedef struct {
     float scale;
     float *out;                /* [T, Hq, D] */
     int64_t o_tok, o_head;
-    int next;                  /* next work item (atomic) */
 } tl_prefill_job;
 
 /* Rows [r0, r0 + TL_VL) of chunk c (fewer at its end) for query heads [h0, h0 + GH) of KV head
@@ -762,6 +984,11 @@ static void tl_prefill_attend(const tl_prefill_job *j, int item) {
     }
 }
 
+static void tl_prefill_item_of(void *job, int64_t item, int worker) {
+    (void)worker;
+    tl_prefill_attend((const tl_prefill_job *)job, (int)item);
+}
+
 /* Whether tl_paged_prefill_attention takes this head size and query heads per KV head. Head
  * size 128 is left to torch's SDPA, whose flash kernel multiplies such heads as GEMMs: built
  * for it (one head an item), this kernel ran 1.2-2.5x SDPA's speed on 100-300-token prompts of
@@ -773,7 +1000,8 @@ int tl_prefill_supported(int d, int group) {
 
 /* Returns TL_OK, or an error code with nothing written (TL_BAD_SHAPE when a shape is not
  * supported or a row, table row, length or block number is out of range: `q_rows` rows of q
- * and out, `table_rows` block tables, `num_blocks` cache blocks; TL_NO_MEMORY). */
+ * and out, `table_rows` block tables, `num_blocks` cache blocks; TL_NO_MEMORY). `pool`: the
+ * items go to the helper pool (a pool step), else to the caller's OpenMP team. */
 int tl_paged_prefill_attention(
     const float *q, int64_t q_tok, int64_t q_head,
     const void *k_cache, const void *v_cache, int dtype,
@@ -781,7 +1009,7 @@ int tl_paged_prefill_attention(
     const int32_t *tables, int64_t table_stride,
     const int32_t *q_starts, const int32_t *q_lens, const int32_t *ctx_lens, const int32_t *seqs,
     int n, int hq, int hkv, int d, int block_size, float scale,
-    float *out, int64_t o_tok, int64_t o_head, int num_threads, int64_t q_rows,
+    float *out, int64_t o_tok, int64_t o_head, int num_threads, int pool, int64_t q_rows,
     int64_t table_rows, int64_t num_blocks) {
     if (!tl_cache_dtype_ok(dtype))
         return TL_BAD_DTYPE;
@@ -811,15 +1039,7 @@ int tl_paged_prefill_attention(
     const int items = first_item[n];
     if (num_threads > items)
         num_threads = items;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(num_threads)
-#endif
-    for (;;) {
-        const int item = __atomic_fetch_add(&job.next, 1, __ATOMIC_RELAXED);
-        if (item >= items)
-            break;
-        tl_prefill_attend(&job, item);
-    }
+    tl_run(tl_prefill_item_of, &job, items, num_threads, pool);
     free(first_item);
     return TL_OK;
 }
@@ -1083,8 +1303,7 @@ int tl_rms_norm(const void *x, int64_t rows, int64_t cols, int64_t x_stride, con
  * after the first pass. While a thread multiplies one panel it prefetches its next one, a
  * share with every pass, so the weights arrive from memory during the passes instead of
  * stalling the first pass of every panel. Each sum adds x[r][k] * W[n][k] for k in order, then
- * the bias. Items go to the caller's OpenMP team in contiguous ranges (one thread in a build
- * without OpenMP). */
+ * the bias. Items go to the helper pool in slices of consecutive items (tl_panels). */
 
 #define TL_NR (4 * TL_VL)                  /* output columns per panel: four vectors */
 /* tl_vf that may sit anywhere: a panel need not start on a vector boundary. */
@@ -1291,11 +1510,95 @@ static inline __attribute__((always_inline)) void tl_linear_pass(
     }
 #endif
 
+/* One call of tl_panels: its operands, and the slices of its items that workers claim. */
+typedef struct {
+    const char *xb, *pb;
+    char *ob;
+    const void *bias;
+    void *out;
+    int64_t m, k, xs, n, os, es, num_panels, rows_per_chunk, panel_bytes, panel_lines, items, slices;
+    int bf;
+    float *slice_best;       /* with argmax: [slices][m * TL_VL + m] */
+    int32_t *slice_column;   /* the same shape */
+    int nan;                 /* a NaN met (atomic or) */
+} tl_panels_task;
+
+/* Slice `slice`: items [items * slice / slices, items * (slice + 1) / slices), in order, the
+ * next panel's lines prefetched a share per pass; with argmax, the slice's best (value, first
+ * column) per row after it. */
+static void tl_panels_slice(void *ctx, int64_t slice, int worker) {
+    (void)worker;
+    const tl_panels_task *t = (const tl_panels_task *)ctx;
+    const char *xb = t->xb, *pb = t->pb;
+    char *ob = t->ob;
+    void *out = t->out;
+    const int64_t m = t->m, k = t->k, xs = t->xs, n = t->n, os = t->os, es = t->es;
+    const int64_t num_panels = t->num_panels, panel_bytes = t->panel_bytes, panel_lines = t->panel_lines;
+    const int64_t first = t->items * slice / t->slices, last = t->items * (slice + 1) / t->slices;
+    const int argmax = t->slice_best != NULL;
+    float *best = argmax ? t->slice_best + slice * m * (TL_VL + 1) : NULL;
+    int32_t *column = argmax ? t->slice_column + slice * m * (TL_VL + 1) : NULL;
+    int nan = 0;
+    for (int64_t i = 0; argmax && i < m * TL_VL; ++i) {
+        best[i] = -INFINITY;
+        column[i] = (int32_t)(first % num_panels * TL_NR); /* a row of -inf: its first column */
+    }
+    for (int64_t it = first; it < last; ++it) {
+        const int64_t p = it % num_panels, m0 = it / num_panels * t->rows_per_chunk;
+        const int64_t m1 = m0 + t->rows_per_chunk < m ? m0 + t->rows_per_chunk : m;
+        const int ncols = n - p * TL_NR < TL_NR ? (int)(n - p * TL_NR) : TL_NR;
+        const void *b = t->bias ? (const char *)t->bias + p * TL_NR * es : NULL;
+        /* The slice's next panel, in shares of one per pass (none if it is this one). */
+        const int64_t next_p = (it + 1) % num_panels;
+        const int64_t passes = (m1 - m0 + TL_MR - 1) / TL_MR;
+        const int64_t share = it + 1 < last && next_p != p ? (panel_lines + passes - 1) / passes : 0;
+        const char *next = pb + next_p * panel_bytes;
+        int64_t r = m0, done = 0;
+        for (; r < m1; r += TL_MR) {
+            const char *pf_at = next + done * 64;
+            const int64_t pf_n = share < panel_lines - done ? share : panel_lines - done;
+            done += pf_n;
+            tl_argmax_state state, *am = NULL;
+            if (argmax) {
+                state = (tl_argmax_state){best + r * TL_VL, column + r * TL_VL, p * TL_NR, 0};
+                am = &state;
+            }
+            if (t->bf) {
+                TL_LINEAR_PASSES(1)
+            } else {
+                TL_LINEAR_PASSES(0)
+            }
+            if (am)
+                nan |= state.nan;
+        }
+    }
+    /* The slice's lanes to one (value, first column) per row, after its lanes' values. */
+    for (int64_t i = 0; argmax && i < m; ++i) {
+        float v = -INFINITY;
+        int32_t c = INT32_MAX;
+        for (int l = 0; l < TL_VL; ++l) {
+            const float lv = best[i * TL_VL + l];
+            const int32_t lc = column[i * TL_VL + l];
+            if (lv > v || (lv == v && lc < c)) {
+                v = lv;
+                c = lc;
+            }
+        }
+        best[m * TL_VL + i] = v;
+        column[m * TL_VL + i] = c;
+    }
+    if (nan)
+        __atomic_or_fetch(&((tl_panels_task *)ctx)->nan, 1, __ATOMIC_RELAXED);
+}
+
 /* tl_linear_panels(_bf16), or with `argmax` (m <= TL_LINEAR_CHUNK) the first column of each
  * row's largest sum (in bf16, of the sums rounded to bf16) instead of the sums. `bf`: every
- * operand is bf16. */
+ * operand is bf16. The items (panel x row chunk) are cut into slices of consecutive items, four
+ * per thread, that the helper pool hands out: a slice reads its panels in order (each
+ * prefetched during the one before) and holds increasing columns. */
 static int tl_panels(const void *x, int64_t m, int64_t k, int64_t xs, const void *panels, int64_t n,
-                     const void *bias, void *out, int64_t os, int64_t *argmax, int bf, int num_threads) {
+                     const void *bias, void *out, int64_t os, int64_t *argmax, int bf, int num_threads,
+                     int pool) {
     const int64_t num_panels = (n + TL_NR - 1) / TL_NR, chunks = (m + TL_LINEAR_CHUNK - 1) / TL_LINEAR_CHUNK;
     const int64_t items = num_panels * chunks;
     if (items == 0)
@@ -1305,96 +1608,35 @@ static int tl_panels(const void *x, int64_t m, int64_t k, int64_t xs, const void
     rows_per_chunk = (rows_per_chunk + TL_MR - 1) / TL_MR * TL_MR;
     const int64_t es = bf ? 2 : 4; /* bytes per element of every operand */
     const int64_t panel_k = bf && TL_BF16_PAIRS ? (k + 1) / 2 * 2 : k; /* an odd K padded to pairs */
-    const int64_t panel_bytes = panel_k * TL_NR * es, panel_lines = panel_bytes / 64;
-    const char *xb = (const char *)x, *pb = (const char *)panels;
-    char *ob = (char *)out;
-    if (num_threads > items)
-        num_threads = (int)items;
+    const int64_t panel_bytes = panel_k * TL_NR * es;
     if (num_threads < 1)
         num_threads = 1;
-    /* With argmax: each thread's best (value, column) per row, merged after the team. */
-    float *thread_best = NULL;
-    int32_t *thread_column = NULL;
-    int nan = 0;
+    int64_t slices = num_threads == 1 ? 1 : 4 * (int64_t)num_threads;
+    if (slices > items)
+        slices = items;
+    tl_panels_task task = {.xb = (const char *)x, .pb = (const char *)panels, .ob = (char *)out,
+                           .bias = bias, .out = out, .m = m, .k = k, .xs = xs, .n = n, .os = os,
+                           .es = es, .num_panels = num_panels, .rows_per_chunk = rows_per_chunk,
+                           .panel_bytes = panel_bytes, .panel_lines = panel_bytes / 64,
+                           .items = items, .slices = slices, .bf = bf};
     if (argmax) {
-        thread_best = malloc(sizeof(float) * (size_t)(num_threads * m * (TL_VL + 1)));
-        thread_column = malloc(sizeof(int32_t) * (size_t)(num_threads * m * (TL_VL + 1)));
-        if (!thread_best || !thread_column) {
-            free(thread_best);
-            free(thread_column);
+        task.slice_best = malloc(sizeof(float) * (size_t)(slices * m * (TL_VL + 1)));
+        task.slice_column = malloc(sizeof(int32_t) * (size_t)(slices * m * (TL_VL + 1)));
+        if (!task.slice_best || !task.slice_column) {
+            free(task.slice_best);
+            free(task.slice_column);
             return TL_NO_MEMORY;
         }
     }
-#ifdef _OPENMP
-#pragma omp parallel num_threads(num_threads) reduction(| : nan)
-#endif
-    {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), team = omp_get_num_threads();
-#else
-        const int t = 0, team = 1;
-#endif
-        const int64_t first = items * t / team, last = items * (t + 1) / team;
-        /* This thread's lanes [m][TL_VL], then its merged result per row [m]. */
-        float *best = argmax ? thread_best + (int64_t)t * m * (TL_VL + 1) : NULL;
-        int32_t *column = argmax ? thread_column + (int64_t)t * m * (TL_VL + 1) : NULL;
-        for (int64_t i = 0; argmax && i < m * TL_VL; ++i) {
-            best[i] = -INFINITY;
-            column[i] = (int32_t)(first % num_panels * TL_NR); /* a row of -inf: its first column */
-        }
-        for (int64_t it = first; it < last; ++it) {
-            const int64_t p = it % num_panels, m0 = it / num_panels * rows_per_chunk;
-            const int64_t m1 = m0 + rows_per_chunk < m ? m0 + rows_per_chunk : m;
-            const int ncols = n - p * TL_NR < TL_NR ? (int)(n - p * TL_NR) : TL_NR;
-            const void *b = bias ? (const char *)bias + p * TL_NR * es : NULL;
-            /* This thread's next panel, in shares of one per pass (none if it is this one). */
-            const int64_t next_p = (it + 1) % num_panels;
-            const int64_t passes = (m1 - m0 + TL_MR - 1) / TL_MR;
-            const int64_t share = it + 1 < last && next_p != p ? (panel_lines + passes - 1) / passes : 0;
-            const char *next = pb + next_p * panel_bytes;
-            int64_t r = m0, done = 0;
-            for (; r < m1; r += TL_MR) {
-                const char *pf_at = next + done * 64;
-                const int64_t pf_n = share < panel_lines - done ? share : panel_lines - done;
-                done += pf_n;
-                tl_argmax_state state, *am = NULL;
-                if (argmax) {
-                    state = (tl_argmax_state){best + r * TL_VL, column + r * TL_VL, p * TL_NR, 0};
-                    am = &state;
-                }
-                if (bf) {
-                    TL_LINEAR_PASSES(1)
-                } else {
-                    TL_LINEAR_PASSES(0)
-                }
-                if (am)
-                    nan |= state.nan;
-            }
-        }
-        /* The thread's lanes to one (value, first column) per row, after its lanes' values. */
-        for (int64_t i = 0; argmax && i < m; ++i) {
-            float v = -INFINITY;
-            int32_t c = INT32_MAX;
-            for (int l = 0; l < TL_VL; ++l) {
-                const float lv = best[i * TL_VL + l];
-                const int32_t lc = column[i * TL_VL + l];
-                if (lv > v || (lv == v && lc < c)) {
-                    v = lv;
-                    c = lc;
-                }
-            }
-            best[m * TL_VL + i] = v;
-            column[m * TL_VL + i] = c;
-        }
-    }
+    tl_run(tl_panels_slice, &task, slices, num_threads, pool);
     if (argmax) {
-        /* Threads hold increasing column ranges: the first thread with the row's maximum. */
+        /* Slices hold increasing column ranges: the first slice with the row's maximum. */
         for (int64_t i = 0; i < m; ++i) {
             float v = -INFINITY;
             int64_t c = -1;
-            for (int t = 0; t < num_threads; ++t) {
-                const float tv = thread_best[(int64_t)t * m * (TL_VL + 1) + m * TL_VL + i];
-                const int32_t tc = thread_column[(int64_t)t * m * (TL_VL + 1) + m * TL_VL + i];
+            for (int64_t sl = 0; sl < slices; ++sl) {
+                const float tv = task.slice_best[sl * m * (TL_VL + 1) + m * TL_VL + i];
+                const int32_t tc = task.slice_column[sl * m * (TL_VL + 1) + m * TL_VL + i];
                 if (c < 0 || tv > v || (tv == v && tc < c)) {
                     v = tv;
                     c = tc;
@@ -1402,28 +1644,29 @@ static int tl_panels(const void *x, int64_t m, int64_t k, int64_t xs, const void
             }
             argmax[i] = c;
         }
-        free(thread_best);
-        free(thread_column);
+        free(task.slice_best);
+        free(task.slice_column);
     }
-    return nan ? TL_NAN : TL_OK;
+    return task.nan ? TL_NAN : TL_OK;
 }
 
-/* Returns TL_OK, or TL_BAD_SHAPE with nothing written (m < 0, k or n < 1, a row stride
+/* `pool` (here and below): the items go to the helper pool (a pool step), else to the caller's
+ * OpenMP team. Returns TL_OK, or TL_BAD_SHAPE with nothing written (m < 0, k or n < 1, a row stride
  * shorter than its row). `panels` holds ceil(n / tl_panel_width()) panels of [k][width]. */
 int tl_linear_panels(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n,
-                     const float *bias, float *out, int64_t os, int num_threads) {
+                     const float *bias, float *out, int64_t os, int num_threads, int pool) {
     if (m < 0 || k < 1 || n < 1 || xs < k || os < n)
         return TL_BAD_SHAPE;
-    return tl_panels(x, m, k, xs, panels, n, bias, out, os, NULL, 0, num_threads);
+    return tl_panels(x, m, k, xs, panels, n, bias, out, os, NULL, 0, num_threads, pool);
 }
 
 /* tl_linear_panels with bf16 x, panels, bias and out (uint16_t bit patterns); sums in float32,
  * each output rounded to bf16 once. The panels are laid out as tl_panel_bf16_pairs() says. */
 int tl_linear_panels_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t xs, const uint16_t *panels,
-                          int64_t n, const uint16_t *bias, uint16_t *out, int64_t os, int num_threads) {
+                          int64_t n, const uint16_t *bias, uint16_t *out, int64_t os, int num_threads, int pool) {
     if (m < 0 || k < 1 || n < 1 || xs < k || os < n)
         return TL_BAD_SHAPE;
-    return tl_panels(x, m, k, xs, panels, n, bias, out, os, NULL, 1, num_threads);
+    return tl_panels(x, m, k, xs, panels, n, bias, out, os, NULL, 1, num_threads, pool);
 }
 
 /* out[i] = argmax over n of (x[i] . W^T + bias)[n] without the [m, n] sums: the first column
@@ -1431,29 +1674,33 @@ int tl_linear_panels_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t xs, c
  * TL_LINEAR_CHUNK; TL_NAN when a sum is NaN (out is then not the first NaN torch would pick:
  * the caller computes the sums instead); TL_NO_MEMORY. */
 int tl_linear_panels_argmax(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n,
-                            const float *bias, int64_t *out, int num_threads) {
+                            const float *bias, int64_t *out, int num_threads, int pool) {
     if (m < 0 || m > TL_LINEAR_CHUNK || k < 1 || n < 1 || xs < k || n > INT32_MAX)
         return TL_BAD_SHAPE;
-    return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, 0, num_threads);
+    return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, 0, num_threads, pool);
 }
 
 /* tl_linear_panels_argmax of bf16 operands: the argmax of the sums each rounded to bf16, as
  * torch.argmax of tl_linear_panels_bf16's outputs (equal roundings: the first column). */
 int tl_linear_panels_argmax_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t xs, const uint16_t *panels,
-                                 int64_t n, const uint16_t *bias, int64_t *out, int num_threads) {
+                                 int64_t n, const uint16_t *bias, int64_t *out, int num_threads, int pool) {
     if (m < 0 || m > TL_LINEAR_CHUNK || k < 1 || n < 1 || xs < k || n > INT32_MAX)
         return TL_BAD_SHAPE;
-    return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, 1, num_threads);
+    return tl_panels(x, m, k, xs, panels, n, bias, NULL, 0, out, 1, num_threads, pool);
 }
 
-/* Pins the caller's OpenMP team of n threads, thread i to cpus[i] (engine.cpuBind). libgomp
- * keeps one pool per calling thread and reuses its threads for every later team of the same
- * size, so torch's parallel regions and the kernels above, all run by this caller with n
- * threads, stay on these CPUs. Returns the number of threads pinned (n on success; fewer when
- * the team came out smaller or a CPU was refused), or -1 when built without OpenMP. */
+/* Pins the caller's OpenMP team of n threads, thread i to cpus[i] (engine.cpuBind), and the
+ * helper pool's workers the same way (helper i to cpus[i]; the caller is thread 0 of both).
+ * libgomp keeps one pool per calling thread and reuses its threads for every later team of the
+ * same size, so torch's parallel regions, all run by this caller with n threads, stay on these
+ * CPUs. Returns the number of OpenMP threads pinned (n on success; fewer when the team came out
+ * smaller or a CPU was refused), or -1 when built without OpenMP (then only the pool's helpers
+ * are pinned). */
 int tl_bind_threads(const int32_t *cpus /* [n] */, int n) {
+    if (n < 1 || n > CPU_SETSIZE || n > TL_POOL_MAX + 1)
+        return 0;
+    tl_pool_bind(cpus, n);
 #ifdef _OPENMP
-    if (n < 1 || n > CPU_SETSIZE) return 0;
     int pinned = 0;
 #pragma omp parallel num_threads(n) reduction(+ : pinned)
     {
@@ -1467,8 +1714,6 @@ int tl_bind_threads(const int32_t *cpus /* [n] */, int n) {
     }
     return pinned;
 #else
-    (void)cpus;
-    (void)n;
     return -1;
 #endif
 }

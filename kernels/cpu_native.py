@@ -37,9 +37,10 @@ log = logging.getLogger("tokenlane.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 CACHE_ENV = "TOKENLANE_CACHE_DIR"
-# OpenMP: the kernel's threads are the caller's OpenMP team, i.e. torch's own pool (one libgomp
-# per process). Where the compiler has no OpenMP (e.g. clang without libomp), the fallback build
-# starts its own pthreads.
+# Threads: prefill attention and the large norms and argmaxes run on the caller's OpenMP team,
+# i.e. torch's own pool (one libgomp per process; the fallback build without OpenMP, e.g. clang
+# without libomp, runs them on the caller alone); decode attention and the panel products share
+# their items with the C helper pool (pthreads; see `pool_step`).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 FALLBACK_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 
@@ -52,6 +53,59 @@ MAX_GROUP = 64  # query heads per KV head (TL_MAX_GROUP in the C source)
 _lock = threading.Lock()
 _loaded: Optional[ctypes.CDLL] = None
 _load_error: Optional[str] = None
+# Per thread: the threads of the pool kernels during a `pool_step` (else torch's count).
+_pool_step = threading.local()
+
+
+def pool_threads() -> int:
+    """Threads the pool kernels (decode attention, `PanelLinear`) use on this thread: those of
+    the `pool_step` it is in, else torch's count."""
+    return getattr(_pool_step, "threads", 0) or torch.get_num_threads()
+
+
+def in_pool_step() -> bool:
+    """Whether this thread is in a `pool_step` (prefill attention then takes the pool too)."""
+    return bool(getattr(_pool_step, "threads", 0))
+
+
+def pool_helper_items() -> int:
+    """Items the helper pool's threads (not the callers) have run in this process."""
+    lib = load()
+    return 0 if lib is None else lib.tl_pool_helper_items()
+
+
+def park_pool() -> None:
+    """Sends the helper pool's threads to sleep now rather than after their spin: before a
+    step that runs on torch's OpenMP threads (a prefill), which need the cores."""
+    lib = _loaded if _loaded is not None else load()
+    if lib is not None:
+        lib.tl_pool_park()
+
+
+class pool_step:
+    """`with pool_step(n):` a step whose parallel work is all in the C kernels (attention and
+    panel products: the decode steps of a model whose linears all have panels). Inside, those
+    kernels share their items with n - 1 helper threads (kernels/cpu_native.c, "the helper
+    pool"), which never wait for a preempted thread as an OpenMP team's barrier does, and torch
+    runs on one thread: its OpenMP workers, spinning a while after a parallel op, would take the
+    cores the helpers need (2-core Zen 4, a 16-sequence bf16 decode step of the 19M model: 5.6-12
+    ms with torch on two threads beside helpers spinning 0.2-100 ms, 3.9 ms with torch on one).
+    Restores torch's count on the way out."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def __enter__(self) -> "pool_step":
+        self._torch_threads = torch.get_num_threads()
+        _pool_step.threads = self.threads
+        if self._torch_threads != 1:
+            torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _pool_step.threads = 0
+        if self._torch_threads != 1:
+            torch.set_num_threads(self._torch_threads)
 _tried = False
 
 
@@ -156,7 +210,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, ptr, ptr, i32,  # rows, seqs, lens, n
         i32, i32, i32, i32, i32, ctypes.c_float,  # hq, hkv, d, block_size, max_len, scale
         ptr, i64, i64,  # out, its token and head strides
-        i32,  # threads
+        i32, i32,  # threads, in the helper pool (else the OpenMP team)
         i64, i64, i64,  # rows of q / out, rows of block_tables, cache blocks (bounds)
     ]
     prefill = lib.tl_paged_prefill_attention
@@ -169,7 +223,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, ptr, ptr, ptr, i32,  # q_starts, q_lens, ctx_lens, seqs, n
         i32, i32, i32, i32, ctypes.c_float,  # hq, hkv, d, block_size, scale
         ptr, i64, i64,  # out, its token and head strides
-        i32,  # threads
+        i32, i32,  # threads, in the helper pool (else the OpenMP team)
         i64, i64, i64,  # rows of q / out, rows of block_tables, cache blocks (bounds)
     ]
     lib.tl_prefill_supported.restype = i32
@@ -206,14 +260,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     linear.argtypes = [
         ptr, i64, i64, i64,  # x, rows, in features, row stride
         ptr, i64, ptr,  # panels, out features, bias (or NULL)
-        ptr, i64, i32,  # out, its row stride, threads
+        ptr, i64, i32, i32,  # out, its row stride, threads, in the helper pool (else OpenMP)
     ]
     argmax = lib.tl_linear_panels_argmax
     argmax.restype = i32
     argmax.argtypes = [
         ptr, i64, i64, i64,  # x, rows, in features, row stride
         ptr, i64, ptr,  # panels, out features, bias (or NULL)
-        ptr, i32,  # out (int64 per row), threads
+        ptr, i32, i32,  # out (int64 per row), threads, in the helper pool (else OpenMP)
     ]
     linear_bf16 = lib.tl_linear_panels_bf16
     linear_bf16.restype = i32
@@ -221,6 +275,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     argmax_bf16 = lib.tl_linear_panels_argmax_bf16
     argmax_bf16.restype = i32
     argmax_bf16.argtypes = list(argmax.argtypes)  # the same, with bf16 x, panels and bias
+    lib.tl_pool_helper_items.restype = i64
+    lib.tl_pool_helper_items.argtypes = []
+    lib.tl_pool_park.restype = None
+    lib.tl_pool_park.argtypes = []
     lib.tl_bind_threads.restype = i32
     lib.tl_bind_threads.argtypes = [ptr, i32]  # cpus (int32 per thread), n
     return lib
@@ -441,12 +499,14 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor,  # [T, Hq, D] float32
     num_threads: int = 1,
+    pool: bool = False,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks over their paged context (kernels/cpu_native.c,
     "prefill chunks"): out rows [q_starts[i], q_starts[i] + q_lens[i]) for each chunk i, its
     query row r at position ctx_lens[i] - q_lens[i] + r. The other rows of `out` are left as
     they are. Every index is bound-checked in C before any is followed (ValueError, nothing
-    written)."""
+    written). The threads are the caller's OpenMP team, or with `pool` the caller and
+    `num_threads` - 1 helpers of the C helper pool (`pool_step`)."""
     lib = _launchable(query, key_cache, value_cache, block_tables, out,
                       {"q_starts": q_starts, "q_lens": q_lens, "ctx_lens": ctx_lens, "seqs": seqs})
     t, hq, d = query.shape
@@ -465,7 +525,7 @@ def paged_prefill_attention(
         q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), seqs.data_ptr(), n,
         hq, hkv, d, block_size, float(scale),
         out.data_ptr(), out.stride(0), out.stride(1),
-        max(1, int(num_threads)),
+        max(1, int(num_threads)), int(pool),
         t, block_tables.shape[0], num_blocks,
     )
     if code == 3:
@@ -489,10 +549,13 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,  # [T, Hq, D] float32
     num_threads: int = 1,
+    pool: bool = False,
 ) -> torch.Tensor:
     """out[rows[i]] = attention of query[rows[i]] over the first lens[i] cached tokens of
     block-table row seqs[i]. The other rows of `out` are left as they are. Every index is
-    bound-checked in C before any is followed (ValueError, nothing written)."""
+    bound-checked in C before any is followed (ValueError, nothing written). The threads are the
+    caller's OpenMP team, or with `pool` the caller and `num_threads` - 1 helpers of the C helper
+    pool (`pool_step`)."""
     lib = _launchable(query, key_cache, value_cache, block_tables, out, {"rows": rows, "seqs": seqs, "lens": lens})
     t, hq, d = query.shape
     num_blocks, block_size, hkv, _ = key_cache.shape
@@ -512,7 +575,7 @@ def paged_decode_attention(
         rows.data_ptr(), seqs.data_ptr(), lens.data_ptr(), n,
         hq, hkv, d, block_size, max_len, float(scale),
         out.data_ptr(), out.stride(0), out.stride(1),
-        max(1, int(num_threads)),
+        max(1, int(num_threads)), int(pool),
         t, block_tables.shape[0], num_blocks,
     )
     if code == 3:
@@ -611,7 +674,7 @@ class PanelLinear:
         code = self._linear(
             rows.data_ptr(), rows.shape[0], k, rows.stride(0), self.panels.data_ptr(), self.out_features,
             None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), out.stride(0),
-            torch.get_num_threads())
+            pool_threads(), in_pool_step())
         if code:
             raise RuntimeError(f"native linear failed: {_ERRORS.get(code, code)}")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
@@ -631,7 +694,8 @@ class PanelLinear:
         out = torch.empty(rows.shape[0], dtype=torch.int64)
         code = self._argmax(
             rows.data_ptr(), rows.shape[0], k, rows.stride(0), self.panels.data_ptr(), self.out_features,
-            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), pool_threads(),
+            in_pool_step())
         if code == TL_NAN:
             return None
         if code:

@@ -11,6 +11,7 @@ each request holds (`request.block_ids`), the executor only reads and writes the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import sys
@@ -20,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from tokenlane.kernels import cpu_native
 from tokenlane.kernels.api import fresh_prefill_through_cache, resolve_backend
 from tokenlane.runtime.batch_inputs import BatchInputBuilder, chunk_token_ids
 from tokenlane.runtime.config import RuntimeConfig
@@ -157,6 +159,10 @@ class ModelExecutor:
         )
         if self.backend == "native":
             self.model.use_native_norms()
+        # Steps of these token counts (decode steps) do every product and attention in the C
+        # kernels, whose threads then come from their helper pool while torch runs on one
+        # thread (kernels/cpu_native.py, `pool_step`); None: every step uses torch's threads.
+        self.pool_step_rows = self.model.panel_step_rows() if self.backend == "native" else None
         self.args = self.model.args
         self.vocab_size = self.args.vocab_size
         self.eos_token_id: Optional[int] = self.args.eos_token_id
@@ -341,15 +347,21 @@ class ModelExecutor:
         prompt_ks, prompt_spans = inputs.prompt_ks, inputs.prompt_spans
         rows = inputs.logits_rows
         prompt_rows = rows[inputs.num_sampled:]
+        pool = (self.pool_step_rows is not None and input_ids.shape[0] in self.pool_step_rows
+                and self.cpu_threads > 1)
+        if self.pool_step_rows is not None and not pool:
+            cpu_native.park_pool()  # the helpers would spin on the cores torch's threads need
         if not rows:
             # Prefill chunks that stop inside their prompts: K/V only, no logits needed.
-            self.model(input_ids, pos, self.kv_caches, meta, torch.zeros(0, dtype=torch.long, device=dev))
+            with cpu_native.pool_step(self.cpu_threads) if pool else contextlib.nullcontext():
+                self.model(input_ids, pos, self.kv_caches, meta, torch.zeros(0, dtype=torch.long, device=dev))
             return
         # One forward pass: logits of the sampling rows first, then the prompt-logprob rows.
         # When every row is greedy and nothing else reads the logits, the LM head may hand
         # back the tokens instead (on the CPU: no [rows, vocab] logits written, then read).
         greedy = not prompt_rows and all(argmax_only(c.request.sampling_params) for c in sampled_chunks)
-        logits = self._forward(input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev), greedy)
+        with cpu_native.pool_step(self.cpu_threads) if pool else contextlib.nullcontext():
+            logits = self._forward(input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev), greedy)
         if logits.dtype == torch.int64:
             for c, token in zip(sampled_chunks, logits.tolist()):
                 output.sampled[c.request.request_id] = token

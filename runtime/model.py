@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenlane.kernels import api as kernels
-from tokenlane.runtime.cpu_dense import detect_cpu_matmul_support, prepack_linear
+from tokenlane.runtime.cpu_dense import PrepackedLinear, detect_cpu_matmul_support, prepack_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -457,6 +457,16 @@ class CausalLM(nn.Module):
             attn.o_proj = prepack_linear(attn.o_proj, keep_dense=False, support=support)
             mlp.gate_up_proj = prepack_linear(mlp.gate_up_proj, keep_dense=False, support=support)
             mlp.down_proj = prepack_linear(mlp.down_proj, keep_dense=False, support=support)
+
+    def panel_step_rows(self) -> Optional[range]:
+        """The token counts of a forward pass whose every product is a panel product (each
+        linear prepacked with panels for those rows), or None where some linear has none."""
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                        layer.mlp.down_proj]
+        ranges = {linear.panel_rows if isinstance(linear, PrepackedLinear) else None for linear in linears}
+        return ranges.pop() if len(ranges) == 1 else None
 
     @torch.no_grad()
     def round_weights(self, weight_dtype: torch.dtype) -> None:

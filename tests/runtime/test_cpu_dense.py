@@ -422,3 +422,51 @@ def test_panel_rows_follow_the_builds_panel_width(monkeypatch):
         monkeypatch.setattr(cpu_native, "panel_width", lambda width=width: width)
         assert cpu_dense.panel_rows() == rows
         assert cpu_dense.can_use_panels(torch.zeros(64, 256)) == (rows is not None)
+
+
+@needs_onednn
+@needs_panels
+def test_panel_sized_steps_run_as_pool_steps_with_transformers_tokens(tiny_model_dir, monkeypatch):
+    """With two compute threads, a step whose every product is a panel product (decode steps
+    and short chunks) is a pool step: torch on one thread, the C kernels on the helper pool
+    (kernels/cpu_native.py); the other steps are not. Greedy tokens equal transformers', and
+    torch's thread count is back after every step."""
+    monkeypatch.setattr(cpu_dense, "SMALL_PREPACK_MIN_ELEMENTS", 1)  # every linear of the tiny model
+    pool_steps, other_steps = [], []
+    real_pool_step, real_run = cpu_native.pool_step, ModelExecutor._run
+
+    class CountedPoolStep(real_pool_step):
+        def __enter__(self):
+            pool_steps.append(self.threads)
+            return super().__enter__()
+
+    def run(self, chunks, output):
+        tokens = sum(c.num_tokens for c in chunks)
+        before = len(pool_steps)
+        real_run(self, chunks, output)
+        if len(pool_steps) == before:
+            other_steps.append(tokens)
+        assert torch.get_num_threads() == 2
+
+    monkeypatch.setattr(cpu_native, "pool_step", CountedPoolStep)
+    monkeypatch.setattr(ModelExecutor, "_run", run)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        reqs = engine_requests(4, 1024, seed=31, max_len=160, max_new=(6, 12), min_len=110)
+        engine = run_engine(tiny_model_dir, reqs, chunk=128, max_batched_tokens=256)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.executor.pool_step_rows == cpu_dense.panel_rows()
+    assert pool_steps and set(pool_steps) == {2}
+    assert other_steps and all(t not in cpu_dense.panel_rows() for t in other_steps)
+    assert_matches_hf(tiny_model_dir, reqs)
+
+
+def test_only_a_model_whose_every_linear_has_panels_has_pool_steps(tiny_model_dir, monkeypatch):
+    config = RuntimeConfig(model=ModelConfig(path=str(tiny_model_dir)),
+                           engine=EngineConfig(device="cpu", attention_backend="torch"))
+    assert ModelExecutor(config).pool_step_rows is None  # the torch backend: no C kernels
+    monkeypatch.setattr(cpu_dense, "PANEL_MAX_IN_FEATURES", 0)
+    config = RuntimeConfig(model=ModelConfig(path=str(tiny_model_dir)), engine=EngineConfig(device="cpu"))
+    assert ModelExecutor(config).pool_step_rows is None  # no panels
