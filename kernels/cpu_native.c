@@ -47,15 +47,17 @@ enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3, TL_NAN =
 
 /* ------------------------------------------------------------------ the helper pool
  *
- * The small kernels of a decode step (decode attention, the panel products and the fused
- * greedy head: tens of microseconds each) share their items out through this pool instead of
- * an OpenMP team. An OpenMP region ends in a barrier that waits for every team thread, so a
- * team thread that another process (the HTTP server's threads, the load generator) has
- * preempted stalls the whole region until it runs again: on a 2-core host serving 16 streams
- * the second thread then bought nothing over one (served output tokens/s equal at 1 and 2
- * threads). Here items are claimed one at a time from one atomic word, the caller claims too,
- * and the caller waits only for items a helper has claimed and not finished: a helper that
- * has not shown up by the time the items run out takes none, and the caller does them all.
+ * In a pool step (a decode step whose every product is a panel product, torch on one thread:
+ * kernels/cpu_native.py's pool_step) the kernels here (attention, the panel products and the
+ * fused greedy head: tens of microseconds each) share their items out through this pool
+ * instead of an OpenMP team (tl_run). An OpenMP region ends in a barrier that waits for every
+ * team thread, so a team thread that another process (the HTTP server's threads, the load
+ * generator) has preempted stalls the whole region until it runs again: on a 2-core host
+ * serving 16 streams the second thread then bought nothing over one (served output tokens/s
+ * equal at 1 and 2 threads). Here items are claimed one at a time from one atomic word, the
+ * caller claims too, and the caller waits only for items a helper has claimed and not
+ * finished: a helper that has not shown up by the time the items run out takes none, and the
+ * caller does them all.
  *
  * The word holds (epoch 16 bits | items 24 | next 24): a claim is one compare-and-swap of it,
  * valid only while next < items of the task it names, so a helper late from an earlier task
@@ -258,6 +260,10 @@ static void tl_team_run(tl_item_fn fn, void *ctx, int64_t items, int num_threads
 /* The kernels' runner: the helper pool in a pool step (`pool`: the caller's torch runs on one
  * thread, kernels/cpu_native.py), else the OpenMP team, as torch's own ops. */
 static void tl_run(tl_item_fn fn, void *ctx, int64_t items, int num_threads, int pool) {
+    if (items <= 0)
+        return;
+    if (num_threads < 1)
+        num_threads = 1;
     if (pool)
         tl_pool_run(fn, ctx, items, num_threads);
     else
