@@ -113,13 +113,19 @@ static inline int64_t tl_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void tl_pin_self(int cpu) {
+/* The set of one CPU; 0 for a CPU number out of range. */
+static int tl_one_cpu(int cpu, cpu_set_t *set) {
     if (cpu < 0 || cpu >= CPU_SETSIZE)
-        return;
+        return 0;
+    CPU_ZERO(set);
+    CPU_SET(cpu, set);
+    return 1;
+}
+
+/* Pins the calling thread to `cpu`; whether it took. */
+static int tl_pin_self(int cpu) {
     cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    sched_setaffinity(0, sizeof(set), &set);
+    return tl_one_cpu(cpu, &set) && sched_setaffinity(0, sizeof(set), &set) == 0;
 }
 
 /* Claims and runs items of the current task until none is left. */
@@ -278,13 +284,9 @@ static void tl_pool_bind(const int32_t *cpus, int n) {
     for (int i = 0; i <= TL_POOL_MAX; ++i)
         tl_pool.cpus[i] = i < n ? cpus[i] : -1;
     for (int h = 0; h < tl_pool.helpers; ++h) {
-        const int cpu = tl_pool.cpus[h + 1];
-        if (cpu >= 0 && cpu < CPU_SETSIZE) {
-            cpu_set_t set;
-            CPU_ZERO(&set);
-            CPU_SET(cpu, &set);
+        cpu_set_t set;
+        if (tl_one_cpu(tl_pool.cpus[h + 1], &set))
             pthread_setaffinity_np(tl_pool.threads[h], sizeof(set), &set);
-        }
     }
     pthread_mutex_unlock(&tl_pool.lock);
 }
@@ -1519,7 +1521,6 @@ static inline __attribute__((always_inline)) void tl_linear_pass(
 /* One call of tl_panels: its operands, and the slices of its items that workers claim. */
 typedef struct {
     const char *xb, *pb;
-    char *ob;
     const void *bias;
     void *out;
     int64_t m, k, xs, n, os, es, num_panels, rows_per_chunk, panel_bytes, panel_lines, items, slices;
@@ -1536,8 +1537,8 @@ static void tl_panels_slice(void *ctx, int64_t slice, int worker) {
     (void)worker;
     const tl_panels_task *t = (const tl_panels_task *)ctx;
     const char *xb = t->xb, *pb = t->pb;
-    char *ob = t->ob;
     void *out = t->out;
+    char *ob = (char *)out;
     const int64_t m = t->m, k = t->k, xs = t->xs, n = t->n, os = t->os, es = t->es;
     const int64_t num_panels = t->num_panels, panel_bytes = t->panel_bytes, panel_lines = t->panel_lines;
     const int64_t first = t->items * slice / t->slices, last = t->items * (slice + 1) / t->slices;
@@ -1620,8 +1621,7 @@ static int tl_panels(const void *x, int64_t m, int64_t k, int64_t xs, const void
     int64_t slices = num_threads == 1 ? 1 : 4 * (int64_t)num_threads;
     if (slices > items)
         slices = items;
-    tl_panels_task task = {.xb = (const char *)x, .pb = (const char *)panels, .ob = (char *)out,
-                           .bias = bias, .out = out, .m = m, .k = k, .xs = xs, .n = n, .os = os,
+    tl_panels_task task = {.xb = (const char *)x, .pb = (const char *)panels, .bias = bias, .out = out, .m = m, .k = k, .xs = xs, .n = n, .os = os,
                            .es = es, .num_panels = num_panels, .rows_per_chunk = rows_per_chunk,
                            .panel_bytes = panel_bytes, .panel_lines = panel_bytes / 64,
                            .items = items, .slices = slices, .bf = bf};
@@ -1710,13 +1710,8 @@ int tl_bind_threads(const int32_t *cpus /* [n] */, int n) {
     int pinned = 0;
 #pragma omp parallel num_threads(n) reduction(+ : pinned)
     {
-        int t = omp_get_thread_num();
-        if (omp_get_num_threads() == n && cpus[t] >= 0 && cpus[t] < CPU_SETSIZE) {
-            cpu_set_t set;
-            CPU_ZERO(&set);
-            CPU_SET(cpus[t], &set);
-            pinned += sched_setaffinity(0, sizeof(set), &set) == 0;
-        }
+        if (omp_get_num_threads() == n)
+            pinned += tl_pin_self(cpus[omp_get_thread_num()]);
     }
     return pinned;
 #else
