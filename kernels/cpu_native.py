@@ -37,10 +37,10 @@ log = logging.getLogger("tokenlane.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 CACHE_ENV = "TOKENLANE_CACHE_DIR"
-# Threads: prefill attention and the large norms and argmaxes run on the caller's OpenMP team,
-# i.e. torch's own pool (one libgomp per process; the fallback build without OpenMP, e.g. clang
-# without libomp, runs them on the caller alone); decode attention and the panel products share
-# their items with the C helper pool (pthreads; see `pool_step`).
+# Threads: in a pool step (`pool_step`) attention and the panel products share their items with
+# the C helper pool (pthreads); otherwise they, and the large norms and argmaxes, run on the
+# caller's OpenMP team, i.e. torch's own pool (one libgomp per process; the fallback build
+# without OpenMP, e.g. clang without libomp, runs them on the caller alone).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 FALLBACK_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 
@@ -53,18 +53,19 @@ MAX_GROUP = 64  # query heads per KV head (TL_MAX_GROUP in the C source)
 _lock = threading.Lock()
 _loaded: Optional[ctypes.CDLL] = None
 _load_error: Optional[str] = None
+_tried = False
 # Per thread: the threads of the pool kernels during a `pool_step` (else torch's count).
 _pool_step = threading.local()
 
 
 def pool_threads() -> int:
-    """Threads the pool kernels (decode attention, `PanelLinear`) use on this thread: those of
-    the `pool_step` it is in, else torch's count."""
+    """Threads the C kernels of attention and `PanelLinear` use on this thread: those of the
+    `pool_step` it is in, else torch's count."""
     return getattr(_pool_step, "threads", 0) or torch.get_num_threads()
 
 
 def in_pool_step() -> bool:
-    """Whether this thread is in a `pool_step` (prefill attention then takes the pool too)."""
+    """Whether this thread is in a `pool_step` (the C kernels then take the helper pool)."""
     return bool(getattr(_pool_step, "threads", 0))
 
 
@@ -106,7 +107,6 @@ class pool_step:
         _pool_step.threads = 0
         if self._torch_threads != 1:
             torch.set_num_threads(self._torch_threads)
-_tried = False
 
 
 def cache_dir() -> Path:

@@ -351,16 +351,17 @@ class ModelExecutor:
                 and self.cpu_threads > 1)
         if self.pool_step_rows is not None and not pool:
             cpu_native.park_pool()  # the helpers would spin on the cores torch's threads need
+        step_threads = cpu_native.pool_step(self.cpu_threads) if pool else contextlib.nullcontext()
         if not rows:
             # Prefill chunks that stop inside their prompts: K/V only, no logits needed.
-            with cpu_native.pool_step(self.cpu_threads) if pool else contextlib.nullcontext():
+            with step_threads:
                 self.model(input_ids, pos, self.kv_caches, meta, torch.zeros(0, dtype=torch.long, device=dev))
             return
         # One forward pass: logits of the sampling rows first, then the prompt-logprob rows.
         # When every row is greedy and nothing else reads the logits, the LM head may hand
         # back the tokens instead (on the CPU: no [rows, vocab] logits written, then read).
         greedy = not prompt_rows and all(argmax_only(c.request.sampling_params) for c in sampled_chunks)
-        with cpu_native.pool_step(self.cpu_threads) if pool else contextlib.nullcontext():
+        with step_threads:
             logits = self._forward(input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev), greedy)
         if logits.dtype == torch.int64:
             for c, token in zip(sampled_chunks, logits.tolist()):
