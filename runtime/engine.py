@@ -132,12 +132,13 @@ class _TextState:
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """(text to emit now, True if a stop string ended the request)."""
-        from tokenlane.runtime.tokenizer import find_stop_string
-
         delta = self.detok.add_tokens(token_ids)
         self.text += delta
-        if not self.stop:
-            return self._emit(len(self.text)), False
+        if not self.stop:  # nothing is ever held back
+            self.sent = len(self.text)
+            return delta, False
+        from tokenlane.runtime.tokenizer import find_stop_string
+
         found = find_stop_string(self.text, self.stop, len(delta))
         if found is not None:
             self.text = self.text[: found[0]]
@@ -195,6 +196,10 @@ class LLMEngine:
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            from tokenlane.runtime.tokenizer import byte_level_table
+
+            byte_level_table(tokenizer)  # built here, not by the step loop's first request
         self.clock = clock
         self.max_model_len: int = self._max_model_len(config)
         self.scheduler = Scheduler(

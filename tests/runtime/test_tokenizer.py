@@ -6,9 +6,11 @@ import random
 
 import pytest
 
+from tokenlane.runtime import tokenizer as tokenizer_module
 from tokenlane.runtime.tokenizer import (
     IncrementalDetokenizer,
     apply_chat_template,
+    byte_level_table,
     encode_prompt,
     find_stop_string,
     load_tokenizer,
@@ -119,3 +121,94 @@ def test_text_decoder_is_the_tokenizers_decode(tok, skip_special_tokens):
     loud = Shouting(tokenizer_object=tok.backend_tokenizer)
     ids = tok.encode("quiet words", add_special_tokens=False)
     assert text_decoder(loud, skip_special_tokens)(ids) == "QUIET WORDS"
+
+
+# --------------------------------------------------------------------------- byte-level table
+
+
+def _stream(tok, ids, prompt, skip_special_tokens, use_table):
+    """Per-token deltas of one stream, then the flush; with or without the byte table."""
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
+    if not use_table:
+        detok._table, detok._texts, detok._table_applies = None, None, False
+    return [detok.add_tokens([i]) for i in ids] + [detok.flush()], detok.text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_level_table_is_the_tokenizers_decode(tok, skip_special_tokens):
+    table = byte_level_table(tok, skip_special_tokens)
+    assert table is not None, "this repo's tokenizer is byte-level BPE"
+    assert byte_level_table(tok, skip_special_tokens) is table  # built once
+    rng = random.Random(2)
+    for _ in range(300):
+        ids = [rng.randrange(0, len(tok)) for _ in range(rng.randint(0, 10))]
+        assert table.decode(ids) == tok.decode(ids, skip_special_tokens=skip_special_tokens,
+                                               clean_up_tokenization_spaces=False)
+    special = tok.eos_token_id
+    assert (table.texts[special] == "") == skip_special_tokens
+
+
+def test_table_path_streams_what_the_decodes_stream(tok):
+    """Token by token, the detokenizer with the table emits exactly what the re-decoding one
+    emits: special tokens (skipped or not), bytes that never complete a character, characters
+    split over tokens, prompts that end inside a character, ids past the vocabulary."""
+    rng = random.Random(3)
+    lone = [i for i in range(5, 400) if tok.decode([i]) == "\ufffd"]
+    text = tok.encode(" ".join(TEXTS), add_special_tokens=False)
+    specials = [tok.bos_token_id, tok.eos_token_id, 3, 4]
+    pools = [list(range(len(tok) + 8)), lone + text, specials + text + lone, text, lone + specials]
+    for _ in range(1500):
+        pool = rng.choice(pools)
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 30))]
+        prompt = [rng.choice(lone + text + specials) for _ in range(rng.randint(0, 8))]
+        skip = rng.random() < 0.7
+        assert _stream(tok, ids, prompt, skip, True) == _stream(tok, ids, prompt, skip, False), (ids, prompt, skip)
+
+
+def test_table_path_decodes_nothing_for_plain_text(tok):
+    """The point of the table: a stream of whole-character tokens after a prompt that ends on
+    a character boundary is never re-decoded."""
+    detok = IncrementalDetokenizer(tok, encode_prompt(tok, "Prompt:"))
+    calls = []
+    decode = detok._decode
+    detok._decode = lambda ids: calls.append(ids) or decode(ids)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog, again and again.", add_special_tokens=False)
+    assert "".join(detok.add_tokens([t]) for t in ids) == "The quick brown fox jumps over the lazy dog, again and again."
+    assert calls == []
+    # A character split over tokens takes the decodes, then the table again.
+    split = tok.encode("東京", add_special_tokens=False)
+    assert len(split) > 2
+    assert "".join(detok.add_tokens([t]) for t in split) == "東京"
+    assert calls
+    calls.clear()
+    assert detok.add_tokens(tok.encode(" ok", add_special_tokens=False)) == " ok"
+    assert calls == []
+
+
+def test_no_table_unless_the_decode_is_byte_level(tok, monkeypatch):
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    word_piece = Tokenizer(models.WordPiece({"[UNK]": 0, "ab": 1, "##cd": 2}, unk_token="[UNK]"))
+    word_piece.decoder = decoders.WordPiece()
+    other = PreTrainedTokenizerFast(tokenizer_object=word_piece)
+    assert byte_level_table(other) is None
+    assert IncrementalDetokenizer(other).add_tokens([1, 2]) == "abcd"
+
+    class Shouting(type(tok)):  # a decode of its own: the table would bypass it
+        def decode(self, ids, **kwargs):
+            return super().decode(ids, **kwargs).upper()
+
+    assert byte_level_table(Shouting(tokenizer_object=tok.backend_tokenizer)) is None
+
+    # A table that disagrees with the tokenizer's own decode is never used.
+    def wrong_alphabet():
+        table = dict(real_alphabet())
+        table[ord("a")] = "b"
+        return table
+
+    real_alphabet = tokenizer_module._alphabet_to_latin1
+    monkeypatch.setattr(tokenizer_module, "_alphabet_to_latin1", wrong_alphabet)
+    fresh = load_tokenizer(tok.name_or_path)
+    assert byte_level_table(fresh) is None
+    assert tokenizer_module._build_byte_level_table(fresh, True) is None
