@@ -216,7 +216,6 @@ class IncrementalDetokenizer:
         # have no bytes, a token whose bytes are UTF-8 on their own adds exactly its own
         # text, so the table gives what the two decodes would (see _add_one).
         self._table = byte_level_table(tokenizer, skip_special_tokens)
-        self._texts = self._table.texts if self._table is not None else None
         self._table_applies = self._table is not None and self._table.is_utf8(self.token_ids)
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
@@ -235,7 +234,7 @@ class IncrementalDetokenizer:
             # like the decodes below hold it. Any other text is longer and ends in no U+FFFD:
             # the decodes would emit it and make the window end with this token, whose
             # bytes are whole UTF-8 again.
-            texts = self._texts
+            texts = self._table.texts
             text = texts[token_id] if token_id < len(texts) else None
             if text == "":
                 return ""

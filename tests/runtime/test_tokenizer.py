@@ -130,7 +130,7 @@ def _stream(tok, ids, prompt, skip_special_tokens, use_table):
     """Per-token deltas of one stream, then the flush; with or without the byte table."""
     detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
     if not use_table:
-        detok._table, detok._texts, detok._table_applies = None, None, False
+        detok._table, detok._table_applies = None, False
     return [detok.add_tokens([i]) for i in ids] + [detok.flush()], detok.text
 
 
