@@ -66,8 +66,9 @@ enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3, TL_NAN =
  * while a claimed item is unfinished. Helpers wait for a new task spinning for a while
  * (TOKENLANE_POOL_SPIN_US, default 1000 microseconds: the gaps between the kernels of a step
  * and between decode steps; waking a sleeping helper costs tens of microseconds, an idle vCPU
- * more), yielding the core now and then to any other runnable thread, then sleep on a futex; `tl_pool_park` sends them to sleep at once (before a step that
- * runs on torch's OpenMP threads, which need the cores). One caller at a time: a second
+ * more), yielding the core to any other runnable thread every TL_POOL_YIELD_SPINS spins,
+ * then sleep on a futex; `tl_pool_park` sends them to sleep at once (before a step that runs
+ * on torch's OpenMP threads, which need the cores). One caller at a time: a second
  * concurrent caller (another engine in the process) runs its items alone. A forked child starts
  * with no helpers. */
 #include <limits.h>
@@ -79,9 +80,11 @@ enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3, TL_NAN =
 
 typedef void (*tl_item_fn)(void *ctx, int64_t item, int worker);
 
-/* A waiting helper yields its core every this many spins (a few microseconds). Served bf16 and
- * fp32, 16 and 64 clients on 2 cores: 1.03-1.16x output tokens/s, TTFT p50 0.70-0.99x against
- * pure spinning (docs/benchmarks.md); offline steps unchanged. */
+/* A waiting helper yields its core every this many spins (a few microseconds): while the step
+ * thread runs its Python, the server and the clients want that core, and the call returns at
+ * once when nothing else is runnable. Served bf16 and fp32, 16 and 64 clients on 2 cores:
+ * 1.03-1.16x output tokens/s, TTFT p50 0.70-0.99x against pure spinning (docs/benchmarks.md);
+ * offline steps unchanged. */
 #define TL_POOL_YIELD_SPINS 64
 
 #define TL_POOL_MAX 255          /* helpers */
@@ -168,10 +171,6 @@ static void *tl_pool_helper(void *arg) {
                 __atomic_sub_fetch(&tl_pool.sleepers, 1, __ATOMIC_SEQ_CST);
                 since = tl_now_ns();
             }
-            /* Between tasks the core is the server's and the clients' as much as ours: while the
-             * step thread runs its Python, a spinning helper held the core they were waiting for.
-             * A yield every few microseconds gives it up whenever another thread is runnable, and
-             * costs a system call that returns at once when none is. */
             if (spins % TL_POOL_YIELD_SPINS == 0)
                 sched_yield();
             tl_pause();
