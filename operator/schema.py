@@ -283,7 +283,9 @@ def model_service_spec() -> dict:
             "cpuThreads": _int("torch compute threads of the engine on the CPU; unset = one per usable core.",
                                minimum=1, maximum=1024),
             "coreProcess": _bool("Run the engine and its step loop in a process of their own (the engine core), "
-                                 "so the HTTP server's Python never holds up a step. Unset: off."),
+                                 "so the HTTP server's Python never holds up a step. Unset: on where the server "
+                                 "has a core of its own (a GPU model with 2 or more cores; on the CPU, when "
+                                 "cpuBind leaves the server CPUs), else off."),
             "cpuBind": _str("Thread placement on the CPU: auto (unset) from 8 cores up leaves the first core to "
                             "the HTTP server and pins one compute thread to each other core, below that "
                             "(or under a CPU quota, without exclusive CPUs) pins nothing; none pins nothing; "

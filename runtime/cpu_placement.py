@@ -9,7 +9,11 @@ thread pinned to each, and which CPUs the HTTP server's threads keep.
     "2-15", "0,2,4-7"   compute thread i on the i-th listed CPU; the server keeps the other
                   allowed CPUs (every one, if the list takes them all).
 
-The plan is pure (`plan_placement`, tested table-driven); `Topology.read()` reads what this
+Whether the engine core gets a process of its own (`engine.coreProcess`) follows from the
+same plan: unset, it does where the server has CPUs the step loop does not use
+(`plan_core_process`).
+
+The plans are pure (`plan_placement`, `plan_core_process`, tested table-driven); `Topology.read()` reads what this
 process may use (its affinity mask, /sys's core ids), and the binders act: `bind_compute_threads`
 in the thread that runs the model (the step thread; pins its OpenMP team, i.e. torch's pool for
 that thread, through the native library), `confine_server_threads` in the server's process.
@@ -204,6 +208,45 @@ def plan_placement(setting: Optional[str], cpu_threads: Optional[int], device_ty
 def placement_for(engine_config, device_type: str) -> Placement:
     """The plan for this process now (`engine_config` is the config's EngineConfig)."""
     return plan_placement(engine_config.cpu_bind, engine_config.cpu_threads, device_type, Topology.read())
+
+
+def plan_core_process(setting: Optional[bool], executor: str, device_type: str, placement: Placement,
+                      topology: Topology) -> tuple[bool, str]:
+    """Whether the engine core runs in a process of its own (`engine.coreProcess`), and why.
+
+    Unset (auto): yes where the server's threads have a CPU the step loop does not use: on a
+    GPU from 2 cores up, and on the CPU when the placement leaves the server CPUs of its own
+    (cpuBind auto from AUTO_MIN_CORES cores, or a list that does not take every CPU). One
+    process there would make the step thread's Python wait for the GIL while the event loop
+    streams, with the server's core otherwise idle. Where the server shares the compute
+    threads' cores, a second process only moves that wait into the forward pass
+    (docs/benchmarks.md, "The engine core in its own process"), so the loop stays in process.
+    """
+    if setting is not None:
+        return setting, f"coreProcess {str(setting).lower()}"
+    if executor != "model":
+        return False, f"coreProcess auto: in process (executor {executor})"
+    if device_type != "cpu":
+        cores = len(topology.cores())
+        if topology.quota_cpus is not None and topology.quota_cpus < 2:
+            return False, (f"coreProcess auto: in process (a CPU quota of {topology.quota_cpus:g} CPUs "
+                           f"leaves no core for the server)")
+        if cores < 2:
+            return False, "coreProcess auto: in process (one core: nothing for the server to run on)"
+        return True, (f"coreProcess auto: own process (the model runs on the GPU; the step loop and "
+                      f"the server get cores of their own among {cores})")
+    if placement.pinned and placement.server_cpus:  # the plan never gives the server a compute CPU
+        return True, (f"coreProcess auto: own process (the server keeps CPU "
+                      f"{format_cpu_list(placement.server_cpus)} to itself)")
+    return False, "coreProcess auto: in process (the server shares the compute threads' CPUs)"
+
+
+def core_process_for(engine_config, device_type: str) -> tuple[bool, str]:
+    """`plan_core_process` for this process now (`engine_config` is the config's EngineConfig)."""
+    topology = Topology.read()
+    placement = plan_placement(engine_config.cpu_bind, engine_config.cpu_threads, device_type, topology)
+    return plan_core_process(engine_config.core_process, engine_config.executor, device_type, placement,
+                             topology)
 
 
 def bind_compute_threads(placement: Placement) -> str:

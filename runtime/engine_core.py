@@ -317,11 +317,21 @@ def _end_core(code: int) -> None:
 # --------------------------------------------------------------------------- the API process side
 
 
-def open_engine(config: RuntimeConfig, on_core_start: Optional[Callable] = None) -> AsyncEngine:
-    """The asyncio front `tokenlane serve` serves: a ProcessEngine with `engine.coreProcess`
-    (its core spawned and loaded; `on_core_start` is the core's `on_start` hook), else the
-    in-process AsyncEngine. ValueError or OSError if the model cannot be loaded."""
-    if config.engine.core_process:
+def open_engine(config: RuntimeConfig, on_core_start: Optional[Callable] = None,
+                own_process: Optional[bool] = None) -> AsyncEngine:
+    """The asyncio front `tokenlane serve` serves: a ProcessEngine when the engine core gets a
+    process of its own (its core spawned and loaded; `on_core_start` is the core's `on_start`
+    hook), else the in-process AsyncEngine. `own_process` None decides as `engine.coreProcess`
+    says (unset: by the host, `cpu_placement.plan_core_process`). ValueError or OSError if the
+    model cannot be loaded."""
+    if own_process is None:
+        from tokenlane.runtime.cpu_placement import core_process_for
+        from tokenlane.runtime.executor import select_device
+
+        device_type = "cpu" if config.engine.executor != "model" else select_device(config.engine.device).type
+        own_process, why = core_process_for(config.engine, device_type)
+        log.info("step loop: %s", why)
+    if own_process:
         return ProcessEngine.from_config(config, on_start=on_core_start)
     return AsyncEngine.from_config(config)
 

@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-continuous-batching", action="store_true",
                    help="engine.continuousBatching=false (request-level static batching)")
     g.add_argument("--no-prefix-caching", action="store_true", help="engine.enablePrefixCaching=false")
-    g.add_argument("--core-process", action="store_true",
-                   help="engine.coreProcess=true (the step loop in a process of its own)")
+    g.add_argument("--core-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine.coreProcess: the step loop in a process of its own, or not "
+                        "(default: the config's; unset there, where the server has a core to itself)")
     g.add_argument("--cpu-bind", help="engine.cpuBind (auto|none|a CPU list such as 2-15): where the "
                                       "compute threads are pinned")
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
@@ -98,8 +99,8 @@ def apply_overrides(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeC
         engine_changes["continuous_batching"] = False
     if args.no_prefix_caching:
         engine_changes["enable_prefix_caching"] = False
-    if args.core_process:
-        engine_changes["core_process"] = True
+    if args.core_process is not None:
+        engine_changes["core_process"] = args.core_process
     try:
         model = dataclasses.replace(config.model, **model_changes)
     except ConfigError as exc:

@@ -4,6 +4,7 @@
     python -m tokenlane.runtime.bench.step_profile --running 16 64 --dtype float32 bfloat16
     python -m tokenlane.runtime.bench.step_profile --http --cpu-threads 1 2   # alternated
     python -m tokenlane.runtime.bench.step_profile --http --step-loop thread process
+    python -m tokenlane.runtime.bench.step_profile --http --step-loop thread process --cpu-bind 0
     python -m tokenlane.runtime.bench.step_profile --attention-backend torch native --rounds 2
     python -m tokenlane.runtime.bench.step_profile --json out.json
 
@@ -31,7 +32,8 @@ values run alternately (A B A B ...) with `engine.cpuThreads` set, for side-by-s
 `--step-loop process` serves with `engine.coreProcess: true`: the recorder then sits in the
 engine core process, loop gap is the core's time between steps, of which output dispatch is
 its hand-off of a step's outputs (pickle, queue for its writer thread), and the event loop's
-CPU is not measured (another process).
+CPU is not measured (another process). `--cpu-bind` sets `engine.cpuBind` for every server
+(e.g. `0`: one compute thread pinned to CPU 0, the server on the other CPUs).
 
 "Host overhead" is everything but the forward pass: schedule + prepare inputs + sample +
 update + outputs + engine other + loop gap, as a share of the step cycle (start of one step
@@ -493,7 +495,8 @@ async def _stream_clients(base_url: str, prompts: list[list[int]], max_tokens: i
 
 
 def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu_threads: Optional[int],
-                 workdir: Path, attention_backend: str = "auto", step_loop: str = "thread") -> dict[str, Any]:
+                 workdir: Path, attention_backend: str = "auto", step_loop: str = "thread",
+                 cpu_bind: Optional[str] = None) -> dict[str, Any]:
     import yaml
 
     from tokenlane.runtime.bench.serve_proc import free_port
@@ -503,8 +506,9 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
     engine_cfg: dict[str, Any] = {"device": "cpu", "blockSize": 16, "attentionBackend": attention_backend}
     if cpu_threads is not None:
         engine_cfg["cpuThreads"] = cpu_threads
-    if step_loop == "process":
-        engine_cfg["coreProcess"] = True
+    engine_cfg["coreProcess"] = step_loop == "process"  # explicit: unset would be the host's choice
+    if cpu_bind is not None:
+        engine_cfg["cpuBind"] = cpu_bind
     config = {
         "model": {"path": str(model_dir), "dtype": dtype},
         "engine": engine_cfg,
@@ -546,7 +550,7 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
     records = json.loads(stats_path.read_text())
     return {
         "mode": "http", "dtype": dtype, "running": running, "cpu_threads": cpu_threads,
-        "attention_backend": attention_backend, "step_loop": step_loop,
+        "attention_backend": attention_backend, "step_loop": step_loop, "cpu_bind": cpu_bind,
         "itl_p50_ms": 1000 * statistics.median(gaps),
         "decode": summarize(steady(records, running, mixed=False)),
         "mixed": summarize(steady(records, running, mixed=True)),
@@ -616,6 +620,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--step-loop", nargs="+", default=["thread"], choices=["thread", "process"],
                    help="--http: the step loop in the server's process (thread) or its own "
                         "(process: engine.coreProcess), run alternately (default thread)")
+    p.add_argument("--cpu-bind", help="--http: engine.cpuBind of every server, e.g. 0 (the compute thread on "
+                                      "CPU 0, the server on the others)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the alternation (default 1)")
     p.add_argument("--max-tokens", type=int, default=96, help="--http: tokens per request (default 96)")
     p.add_argument("--json", help="write the results to this file")
@@ -636,7 +642,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         for backend in args.attention_backend:
                             for step_loop in args.step_loop:
                                 results.append(http_profile(model_dir, dtype, running, args.max_tokens, setting,
-                                                            workdir, backend, step_loop))
+                                                            workdir, backend, step_loop, args.cpu_bind))
                                 print(format_table(results[-1:]), flush=True)
     else:
         for _ in range(args.rounds):

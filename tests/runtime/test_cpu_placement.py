@@ -16,6 +16,7 @@ from tokenlane.runtime.cpu_placement import (
     Topology,
     format_cpu_list,
     parse_cpu_list,
+    plan_core_process,
     plan_placement,
     read_cpu_quota,
 )
@@ -87,6 +88,43 @@ def test_the_plan(setting, threads, device, topo, engine, server):
     assert (placement.engine_cpus, placement.server_cpus) == (engine, server)
     assert placement.allowed == topo.allowed
     assert placement.reason.startswith("cpuBind")
+
+
+def under_quota(cores: int, cpus: float) -> Topology:
+    return Topology(tuple(range(cores)), {c: (0, c) for c in range(cores)}, quota_cpus=cpus)
+
+
+@pytest.mark.parametrize("core_process, executor, device, cpu_bind, topo, own, why", [
+    # set: as set, whatever the host
+    (True, "model", "cpu", None, topology(2), True, "coreProcess true"),
+    (False, "model", "cuda", None, topology(64), False, "coreProcess false"),
+    (False, "model", "cpu", None, topology(AUTO_MIN_CORES), False, "coreProcess false"),
+    # auto on the CPU: its own process where the placement leaves the server CPUs of its own
+    (None, "model", "cpu", None, topology(AUTO_MIN_CORES), True, "server keeps CPU 0 to itself"),
+    (None, "model", "cpu", None, topology(AUTO_MIN_CORES, smt=2), True, f"server keeps CPU 0,{AUTO_MIN_CORES}"),
+    (None, "model", "cpu", "0", topology(2), True, "server keeps CPU 1 to itself"),
+    (None, "model", "cpu", "2-5", topology(8), True, "server keeps CPU 0-1,6-7 to itself"),
+    # ... and in process where the server would share the compute threads' cores
+    (None, "model", "cpu", None, topology(2), False, "shares the compute threads' CPUs"),
+    (None, "model", "cpu", None, topology(AUTO_MIN_CORES - 1, smt=2), False, "shares"),
+    (None, "model", "cpu", "none", topology(16), False, "shares"),
+    (None, "model", "cpu", "0-3", topology(4), False, "shares"),  # the list takes every CPU
+    (None, "model", "cpu", None, under_quota(16, 4.0), False, "shares"),  # auto pins nothing under a quota
+    # auto with a GPU: the step loop and the server each need a core
+    (None, "model", "cuda", None, topology(2), True, "runs on the GPU"),
+    (None, "model", "cuda", None, topology(1), False, "one core"),
+    (None, "model", "cuda", None, topology(1, smt=2), False, "one core"),  # SMT siblings are one core
+    (None, "model", "cuda", None, under_quota(16, 1.5), False, "quota of 1.5 CPUs"),
+    (None, "model", "cuda", None, under_quota(16, 2.0), True, "runs on the GPU"),
+    # auto without a model to run (the cost-model executor): in process
+    (None, "simulated", "cpu", None, topology(16), False, "executor simulated"),
+])
+def test_the_engine_core_s_process(core_process, executor, device, cpu_bind, topo, own, why):
+    placement = plan_placement(cpu_bind, None, device, topo)
+    decided, reason = plan_core_process(core_process, executor, device, placement, topo)
+    assert decided is own
+    assert why in reason
+    assert reason.startswith("coreProcess")
 
 
 @pytest.mark.parametrize("files, quota", [

@@ -95,13 +95,14 @@ def start_server(config_text: str, model_dir: Path, tmp_dir: Path, *, grace_s: f
                  wrap=None, on_core_start=None) -> LiveServer:
     """`wrap(app)` may return an ASGI middleware around the app (to inject faults). With
     `engine.coreProcess: true` in the config the engine runs in its own process, and
-    `on_core_start` is its `on_start` hook (see core_hooks.py)."""
+    `on_core_start` is its `on_start` hook (see core_hooks.py); unset, it runs in this
+    process whatever the host (the tests reach into the in-process engine)."""
     from tokenlane.runtime.engine_core import open_engine
 
     config_path = tmp_dir / "runtime.yaml"
     config_path.write_text(config_text.format(model=model_dir))
     config = load_config(config_path)
-    async_engine = open_engine(config, on_core_start)
+    async_engine = open_engine(config, on_core_start, own_process=bool(config.engine.core_process))
     app = create_app(async_engine, config_path,
                      options=ServerOptions(shutdown_grace_s=grace_s, config_poll_interval_s=0.05))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -1,6 +1,7 @@
 """engine.cpuBind through `tokenlane serve`: the compute threads on the listed CPU, the
 server's event loop on the others, with the step loop in the server's process and in the
-engine core's. Read back from /proc after a served request."""
+engine core's (which `engine.coreProcess` unset picks when the server keeps CPUs of its
+own). Read back from /proc after a served request."""
 
 from __future__ import annotations
 
@@ -54,13 +55,16 @@ def core_pid(server_pid: int) -> int:
     raise AssertionError(f"no engine core under {server_pid}")
 
 
-@pytest.mark.parametrize("core_process", [False, True], ids=["in-process", "core-process"])
+@pytest.mark.parametrize("core_process", [False, True, None], ids=["in-process", "core-process", "auto"])
 def test_compute_threads_and_the_server_run_apart(tiny_model_dir, tmp_path, core_process):
     engine_cpu, server_cpus = ALLOWED[-1], set(ALLOWED[:-1])
     config = tmp_path / "runtime.yaml"
     config.write_text(f"model:\n  path: {tiny_model_dir}\n  servedName: tiny\n"
                       "engine:\n  device: cpu\n  kvCacheBlocks: 128\n")
-    flags = ["--cpu-bind", str(engine_cpu)] + (["--core-process"] if core_process else [])
+    flags = ["--cpu-bind", str(engine_cpu)]
+    if core_process is not None:
+        flags.append("--core-process" if core_process else "--no-core-process")
+    own_process = core_process is not False  # unset: the server keeps CPUs of its own, so a process
     proc, url = start_serve(config, *flags)
     try:
         response = httpx.post(url + "/v1/completions", timeout=60,
@@ -69,11 +73,11 @@ def test_compute_threads_and_the_server_run_apart(tiny_model_dir, tmp_path, core
         assert response.json()["usage"]["completion_tokens"] == 4
         server = thread_masks(proc.pid)
         assert server[proc.pid] == server_cpus  # the event loop's thread
-        engine_pid = core_pid(proc.pid) if core_process else proc.pid
+        engine_pid = core_pid(proc.pid) if own_process else proc.pid
         engine = thread_masks(engine_pid)
         pinned = [tid for tid, mask in engine.items() if mask == {engine_cpu}]
         assert pinned, engine
-        if core_process:
+        if own_process:
             assert engine[engine_pid] == {engine_cpu}  # the core's step loop runs in its main thread
             assert all(mask == server_cpus for mask in server.values()), server
         else:  # every other thread of the server (torch's idle pool from loading too) kept apart
@@ -82,3 +86,5 @@ def test_compute_threads_and_the_server_run_apart(tiny_model_dir, tmp_path, core
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
     assert f"thread placement: 1 compute threads pinned to {engine_cpu}" in out
+    if core_process is None:
+        assert "step loop: coreProcess auto: own process (the server keeps CPU " in out
