@@ -13,10 +13,11 @@ Whether the engine core gets a process of its own (`engine.coreProcess`) follows
 same plan: unset, it does where the server has CPUs the step loop does not use
 (`plan_core_process`).
 
-The plans are pure (`plan_placement`, `plan_core_process`, tested table-driven); `Topology.read()` reads what this
-process may use (its affinity mask, /sys's core ids), and the binders act: `bind_compute_threads`
-in the thread that runs the model (the step thread; pins its OpenMP team, i.e. torch's pool for
-that thread, through the native library), `confine_server_threads` in the server's process.
+The plans are pure (`plan_placement`, `plan_core_process`, tested table-driven);
+`Topology.read()` reads what this process may use (its affinity mask, /sys's core ids), and the
+binders act: `bind_compute_threads` in the thread that runs the model (the step thread; pins its
+OpenMP team, i.e. torch's pool for that thread, through the native library),
+`confine_server_threads` in the server's process.
 """
 
 from __future__ import annotations
@@ -216,11 +217,11 @@ def plan_core_process(setting: Optional[bool], executor: str, device_type: str, 
 
     Unset (auto): yes where the server's threads have a CPU the step loop does not use: on a
     GPU from 2 cores up, and on the CPU when the placement leaves the server CPUs of its own
-    (cpuBind auto from AUTO_MIN_CORES cores, or a list that does not take every CPU). One
-    process there would make the step thread's Python wait for the GIL while the event loop
-    streams, with the server's core otherwise idle. Where the server shares the compute
-    threads' cores, a second process only moves that wait into the forward pass
-    (docs/benchmarks.md, "The engine core in its own process"), so the loop stays in process.
+    (cpuBind auto from AUTO_MIN_CORES cores, or a list that does not take every CPU). In one
+    process the step thread's Python would wait for the GIL while the event loop streams, and
+    the server's core would idle meanwhile. Where the server shares the compute threads'
+    cores, a second process only moves that wait into the forward pass (docs/benchmarks.md,
+    "The engine core in its own process"), so the loop stays in process.
     """
     if setting is not None:
         return setting, f"coreProcess {str(setting).lower()}"
