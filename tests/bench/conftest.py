@@ -18,6 +18,9 @@ def tiny_server(tiny_model_dir, tmp_path_factory):
             # One running + one waiting at most: a burst gets 429 queue_full.
             {"name": "batch", "class": "batch", "priority": 10, "maxActiveSequences": 1, "maxWaitingRequests": 1},
         ],
+        # A bucket of 10 tokens a minute: one 8-token prompt fits, the next waits 36 s for a
+        # refill, so a burst of this tenant is refused (429) whatever the machine's speed.
+        "tenants": [{"name": "burst", "tokensPerMinute": 10}],
     }
     server = ServerProcess(config, tmp_path_factory.mktemp("bench-server"), "tiny", grace_s=2.0)
     server.start()
