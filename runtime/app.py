@@ -323,7 +323,9 @@ def create_app(
     # key with bad parameters is a 401; only a body that is not JSON at all is a 400 first
     # (FastAPI decodes JSON before it runs dependencies). Neither reveals anything.
 
-    def caller(request: HTTPRequest) -> Caller:
+    # async: FastAPI runs a plain `def` dependency in its thread pool, a round trip through a
+    # worker thread (and the GIL, which the step thread holds between kernels) on every request.
+    async def caller(request: HTTPRequest) -> Caller:
         return authenticate(state.config, request.headers)
 
     @app.get("/v1/models", responses=_errors(401))

@@ -308,3 +308,31 @@ def test_long_text_prompt_is_tokenized_off_loop_and_served(shared_server, refere
     assert len(ids) > 512
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert f"prompt ({len(ids)} tokens)" in r.json()["error"]["message"]
+
+
+def test_openai_requests_do_not_pass_through_the_thread_pool(shared_server, monkeypatch):
+    """A plain `def` dependency or endpoint would go through FastAPI's thread pool: a round trip
+    through a worker thread, and through the GIL that the step thread holds between kernels, on
+    every request (served TTFT p50 0.76-0.92x without it, docs/benchmarks.md)."""
+    import fastapi.dependencies.utils
+    import fastapi.routing
+
+    pooled = []
+
+    async def recording(func, *args, **kwargs):
+        pooled.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **kwargs)
+
+    monkeypatch.setattr(fastapi.dependencies.utils, "run_in_threadpool", recording)
+    monkeypatch.setattr(fastapi.routing, "run_in_threadpool", recording)
+    url = shared_server.url
+    assert httpx.get(url + "/v1/models").status_code == 200
+    assert httpx.post(url + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": "hello", "max_tokens": 2}).status_code == 200
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                            "stream": True}) as response:
+        assert response.status_code == 200
+        assert "data: [DONE]" in response.read().decode()
+    assert httpx.post(url + "/tokenize", json={"model": "tiny", "prompt": "hello"}).status_code == 200
+    assert pooled == []
