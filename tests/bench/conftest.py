@@ -15,7 +15,7 @@ def tiny_server(tiny_model_dir, tmp_path_factory):
         "scheduler": {"maxActiveSequences": 8, "maxBatchedTokens": 256, "prefillChunkSize": 128},
         "lanes": [
             {"name": "interactive", "default": True, "priority": 100, "slo": {"ttftP95Ms": 5000}},
-            # One running + one waiting at most: a burst gets 429 queue_full.
+            # One running + one waiting at most.
             {"name": "batch", "class": "batch", "priority": 10, "maxActiveSequences": 1, "maxWaitingRequests": 1},
         ],
         # A bucket of 10 tokens a minute: one 8-token prompt fits, the next waits 36 s for a
