@@ -5,12 +5,13 @@ Checked when a request is submitted, before it enters a lane's queue:
 - 400 `invalid`    empty prompt, a token id outside the vocabulary, unknown lane
 - 400 `too_long`   prompt + max_tokens over the model length, or more KV blocks than the pool has
 - 503 `draining`   the server is shutting down (raised by the async front)
+- 429 `tenant_rate_limit` the tenant's tokensPerMinute budget does not hold the prompt now;
+                   Retry-After: the seconds until it does (tenant_limits.py). Checked before
+                   the load: a tenant over its rate is told so even when the queue is full too
 - 429 `queue_full` maxWaitingRequests reached, globally or in the request's lane
 - 503 `kv_watermark` KV cache usage at or above kvCacheRejectWatermark
 - 429 `deadline`   the request's deadline cannot be met even if it were served at once, at the
                    step times measured recently (a lower bound, never a guess)
-- 429 `tenant_rate_limit` the tenant's tokensPerMinute budget does not hold the prompt now;
-                   Retry-After: the seconds until it does (tenant_limits.py)
 """
 
 from __future__ import annotations

@@ -328,6 +328,10 @@ class LLMEngine:
                     400, "too_long", f"prompt + max_tokens needs more KV blocks than lane {request.lane!r} may "
                     f"ever hold ({scheduler.lane_kv_capacity(request.lane)} blocks: its maxKvCacheShare, less "
                     "the other lanes' kvCacheReserved); lower max_tokens or shorten the prompt")
+            # The tenant's own limit first: a tenant over its rate is told so, with the wait its
+            # bucket needs, even when the queue is full as well (a queue slot alone would not do).
+            now = self.clock()
+            check_tenant_rate(request, self.tenant_limits, now)
             check_load(
                 request,
                 waiting_total=scheduler.num_waiting + len(self._staged),
@@ -338,10 +342,8 @@ class LLMEngine:
                 kv_usage=scheduler.lane_kv_usage(request.lane),
                 kv_reject_watermark=config.scheduler.kv_cache_reject_watermark,
                 estimator=self.estimator,
-                now=self.clock(),
+                now=now,
             )
-            now = self.clock()
-            check_tenant_rate(request, self.tenant_limits, now)
             self.tenant_limits.charge(request.tenant, request.num_prompt_tokens, now)  # once per group
             request.status = RequestStatus.WAITING
             self._staged.append(request)

@@ -19,7 +19,8 @@ def tiny_server(tiny_model_dir, tmp_path_factory):
             {"name": "batch", "class": "batch", "priority": 10, "maxActiveSequences": 1, "maxWaitingRequests": 1},
         ],
         # A bucket of 10 tokens a minute: one 8-token prompt fits, the next waits 36 s for a
-        # refill, so a burst of this tenant is refused (429) whatever the machine's speed.
+        # refill, so a burst of this tenant is refused (429 tenant_rate_limit, checked before
+        # the batch lane's queue_full) whatever the machine's speed.
         "tenants": [{"name": "burst", "tokensPerMinute": 10}],
     }
     server = ServerProcess(config, tmp_path_factory.mktemp("bench-server"), "tiny", grace_s=2.0)

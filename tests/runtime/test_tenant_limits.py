@@ -70,8 +70,8 @@ def test_config_checks_weight_and_rate():
 # ---- through the engine
 
 
-def _engine(tenants):
-    config = dataclasses.replace(make_config(lanes=[{"name": "shared", "default": True}]), tenants=tenants)
+def _engine(tenants, **lane):
+    config = dataclasses.replace(make_config(lanes=[{"name": "shared", "default": True, **lane}]), tenants=tenants)
     clock = Clock()
     return LLMEngine(config, FakeExecutor(64, 4, max_model_len=None), clock=clock), clock
 
@@ -106,3 +106,17 @@ def test_a_refused_request_is_not_charged():
             engine.add_request(_request(f"x{i}", "capped", 20, 1, clock.now))
     clock.now += 10.0  # 10 + 10 refilled: the refusals took nothing
     engine.add_request(_request("c2", "capped", 20, 1, clock.now))
+
+
+def test_a_tenant_over_its_rate_is_told_so_even_when_the_queue_is_full_too():
+    # The lane holds one waiting request; the capped tenant's first request takes that slot and
+    # 50 of its 60 tokens. Its next request is refused for its rate (the wait its bucket needs),
+    # not for the queue: a freed queue slot alone would not let it in.
+    engine, clock = _engine([TenantConfig(name="capped", tokens_per_minute=60)], maxWaitingRequests=1)
+    engine.add_request(_request("c1", "capped", 50, 1, clock.now))
+    with pytest.raises(AdmissionError) as refused:
+        engine.add_request(_request("c2", "capped", 20, 1, clock.now))
+    assert refused.value.reason == "tenant_rate_limit" and refused.value.retry_after_s == pytest.approx(10.0)
+    with pytest.raises(AdmissionError) as full:  # another tenant: the queue is full indeed
+        engine.add_request(_request("f1", "free", 20, 1, clock.now))
+    assert full.value.reason == "queue_full"
