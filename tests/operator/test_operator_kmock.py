@@ -225,6 +225,10 @@ async def test_steady_state_makes_no_writes(cluster, tiny_samples):
     from tokenlane.operator.handlers import reconcile_model_service
     import asyncio
     await asyncio.sleep(0.5)  # let the events of our own writes settle
+    # The reconcile that wrote `lanes: 1` still holds the lock while it writes the lane's
+    # status and its Event: wait it out (and any queued behind it) rather than racing it.
+    async with cluster.op.lock_for("tokenlane-demo", "tiny"):
+        pass
     before = len(list(cluster.kmock))
     await reconcile_model_service(cluster.op, "tokenlane-demo", "tiny")
     writes = [r for r in list(cluster.kmock)[before:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from tokenlane.runtime.admission import AdmissionError
 from tokenlane.runtime.async_engine import AsyncEngine
 from tokenlane.runtime.engine import LLMEngine
 from tokenlane.runtime.request import FinishReason, Request, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.testing import FakeExecutor, StepGate, make_config
 
 
 class SlowFake(FakeExecutor):
@@ -67,55 +68,98 @@ async def test_submit_rejects_synchronously():
 async def test_abort_takes_effect_within_one_step():
     engine, ex = make(sleep_s=0.01, num_blocks=256)
     await engine.start()
-    stream = engine.submit(req("a", max_tokens=400))
-    other = engine.submit(req("b", n=5, max_tokens=30))
-    outs = [await stream.__anext__() for _ in range(3)]
-    steps_before = len(ex.plans)
-    staged = []
-    real_abort_request = engine.engine.abort_request
-    engine.engine.abort_request = lambda *args: (staged.append(args), real_abort_request(*args))
-    stream.abort("client_disconnect")
-    assert len(staged) == 1  # one abort, carrying its reason
-    rest = await asyncio.wait_for(collect(stream), 5)
-    assert rest[-1].finished and rest[-1].finish_reason is FinishReason.CANCELLED
-    assert rest[-1].finish_detail == "client_disconnect"  # the metrics' reason label
-    # At most the step already running when abort() was called, plus the one that applies it.
-    assert len(ex.plans) - steps_before <= 2
-    assert sum(len(o.new_token_ids) for o in outs + rest) < 10
+    with StepGate(ex) as gate:
+        # Hold the step that would give "a" its fourth token: abort() lands while it waits.
+        gate.pause_when(lambda plan: any(c.request.request_id == "a" and c.request.num_output_tokens >= 3
+                                         for c in plan.chunks))
+        stream = engine.submit(req("a", max_tokens=400))
+        other = engine.submit(req("b", n=5, max_tokens=30))
+        await asyncio.to_thread(gate.wait_paused)
+        steps_before = len(ex.plans)  # the held step is not recorded yet
+        staged = []
+        real_abort_request = engine.engine.abort_request
+        engine.engine.abort_request = lambda *args: (staged.append(args), real_abort_request(*args))
+        stream.abort("client_disconnect")
+        assert len(staged) == 1  # one abort, carrying its reason
+        gate.resume()
+        outs = await asyncio.wait_for(collect(stream), 5)
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.CANCELLED
+    assert outs[-1].finish_detail == "client_disconnect"  # the metrics' reason label
+    # Only the step already scheduled when abort() was called still ran "a".
+    assert sum(any(c.request.request_id == "a" for c in p.chunks) for p in ex.plans[steps_before:]) == 1
+    assert sum(len(o.new_token_ids) for o in outs) <= 4
     others = await asyncio.wait_for(collect(other), 5)  # the other tenant is untouched
     assert others[-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in others) == 30
     assert engine.engine.scheduler.kv.num_free_blocks == 256
     await engine.shutdown(1.0)
 
 
+class LoopReleased(FakeExecutor):
+    """Each step waits in the step thread until a coroutine on the event loop releases it."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.released_by_the_loop: list[bool] = []
+
+    def execute(self, plan):
+        self.entered.set()
+        self.released_by_the_loop.append(self.release.wait(30))
+        return super().execute(plan)
+
+
 async def test_event_loop_stays_responsive_during_steps():
-    engine, ex = make(sleep_s=0.2)
+    # If a step blocked the event loop, no coroutine could release it: it would wait out its
+    # 30 s and record False. Nothing here depends on how fast the machine is.
+    config = make_config(max_model_len=512)
+    ex = LoopReleased(64, config.engine.block_size, max_model_len=None)
+    engine = AsyncEngine(LLMEngine(config, ex))
     await engine.start()
     stream = engine.submit(req("a", max_tokens=2))
-    ticks = 0
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.3:
-        await asyncio.sleep(0.01)
-        ticks += 1
-    assert ticks >= 10, "the event loop was blocked by the model step"
-    await asyncio.wait_for(collect(stream), 5)
+    assert await asyncio.to_thread(ex.entered.wait, 30)
+    for _ in range(5):  # the loop keeps turning while the step is in flight
+        await asyncio.sleep(0)
+    ex.release.set()
+    outs = await asyncio.wait_for(collect(stream), 30)
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    assert ex.released_by_the_loop and all(ex.released_by_the_loop)
     await engine.shutdown(1.0)
 
 
 async def test_shutdown_drains_then_aborts():
-    engine, ex = make(sleep_s=0.01, num_blocks=256)
+    engine, ex = make(sleep_s=0.001, num_blocks=256)
     await engine.start()
-    short = engine.submit(req("short", max_tokens=2))
-    long = engine.submit(req("long", max_tokens=300))
-    drain = asyncio.create_task(engine.shutdown(0.3))
-    await asyncio.sleep(0)
-    assert engine.draining and not engine.ready
-    with pytest.raises(AdmissionError) as e:
-        engine.submit(req("late"))
-    assert (e.value.status, e.value.reason) == (503, "draining")
-    short_outs = await asyncio.wait_for(collect(short), 5)
-    long_outs = await asyncio.wait_for(collect(long), 5)
-    await asyncio.wait_for(drain, 10)
+    shutdown_aborts = asyncio.Event()
+    real_abort_request = engine.engine.abort_request
+
+    def abort_request(request_id, status, detail):
+        real_abort_request(request_id, status, detail)
+        if detail == "shutdown":
+            shutdown_aborts.set()
+
+    engine.engine.abort_request = abort_request
+    with StepGate(ex) as gate:
+        gate.pause()  # both requests admitted, not started, when the drain begins
+        short = engine.submit(req("short", max_tokens=2))
+        long = engine.submit(req("long", max_tokens=300))
+        await asyncio.to_thread(gate.wait_paused)
+        drain = asyncio.create_task(engine.shutdown(2.0))
+        await asyncio.sleep(0)
+        assert engine.draining and not engine.ready
+        with pytest.raises(AdmissionError) as e:
+            engine.submit(req("late"))
+        assert (e.value.status, e.value.reason) == (503, "draining")
+        # "short" finishes within the grace period (2 steps); "long" is held past it.
+        gate.pause_when(lambda plan: any(c.request.request_id == "long" and c.request.num_output_tokens >= 5
+                                         for c in plan.chunks))
+        gate.resume()
+        short_outs = await asyncio.wait_for(collect(short), 30)
+        await asyncio.wait_for(shutdown_aborts.wait(), 30)  # the grace period is over
+        gate.resume()
+        long_outs = await asyncio.wait_for(collect(long), 30)
+        await asyncio.wait_for(drain, 30)
     assert short_outs[-1].finish_reason is FinishReason.LENGTH
     assert long_outs[-1].finish_reason is FinishReason.CANCELLED
     assert long_outs[-1].finish_detail == "shutdown"
@@ -147,7 +191,10 @@ async def test_reload_through_async_front():
     cfg = engine.engine.config
     engine.reload_config(dataclasses.replace(
         cfg, scheduler=dataclasses.replace(cfg.scheduler, max_active_sequences=4)))
-    await asyncio.sleep(0.2)  # applied on an idle tick, no traffic needed
+    for _ in range(3000):  # applied on an idle tick, no traffic needed (30 s bound)
+        if engine.engine.config.scheduler.max_active_sequences == 4:
+            break
+        await asyncio.sleep(0.01)
     assert engine.engine.config.scheduler.max_active_sequences == 4
     with pytest.raises(ValueError):
         engine.reload_config(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, seed=9)))

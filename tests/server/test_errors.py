@@ -14,8 +14,10 @@ import pytest
 from tokenlane.runtime.config import hash_api_key
 from tokenlane.runtime.testing import StepGate
 
-# One sequence runs at a time; the batch lane queues one request; interactive requests time
-# out after 300 ms in the queue; the KV pool is 64 blocks of 16 tokens, rejecting at 40%.
+# One sequence runs at a time; the batch lane queues one request; requests of the `expiring`
+# lane time out after 300 ms in the queue (only the 504 test sends there: elsewhere a loaded
+# machine's stall must not time a request out); the KV pool is 64 blocks of 16 tokens,
+# rejecting at 40%.
 TIGHT = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}
 engine: {{blockSize: 16, kvCacheBlocks: 64, device: cpu, enablePrefixCaching: false}}
@@ -28,7 +30,8 @@ scheduler:
   kvCacheHighWatermark: 0.35
   kvCacheRejectWatermark: 0.4
 lanes:
-  - {{name: interactive, default: true, maxWaitingRequests: 1, queueTimeoutMs: 300}}
+  - {{name: interactive, default: true, maxWaitingRequests: 1}}
+  - {{name: expiring, maxWaitingRequests: 1, queueTimeoutMs: 300}}
   - {{name: batch, class: batch, maxWaitingRequests: 1}}
 tenants:
   - {{name: alpha, apiKeySha256: "{alpha}", lanes: [interactive]}}
@@ -142,14 +145,14 @@ def test_504_queue_timeout(tight):
     hog = Hog(tight)
     results = {}
 
-    def queued():  # the interactive lane times out after 300 ms in the queue
-        results["queued"] = httpx.post(tight.url + "/v1/completions", headers=BETA, timeout=60,
-                                       json={"prompt": [5, 6, 7], "max_tokens": 2})
+    def queued():  # the expiring lane times out after 300 ms in the queue
+        results["queued"] = httpx.post(tight.url + "/v1/completions", headers={**BETA, "X-Lane": "expiring"},
+                                       timeout=60, json={"prompt": [5, 6, 7], "max_tokens": 2})
 
     t = threading.Thread(target=queued)
     try:
         t.start()
-        tight.wait_metric("tokenlane_requests_waiting", lambda v: v >= 1, lane="interactive")
+        tight.wait_metric("tokenlane_requests_waiting", lambda v: v >= 1, lane="expiring")
         # It arrived before it was counted: 0.4 s later its 300 ms in the queue are over for
         # sure. The hog still holds the only slot (the engine is held mid-generation), so the
         # next step boundary times the queued request out.
@@ -160,8 +163,8 @@ def test_504_queue_timeout(tight):
         hog.close()
     r = results["queued"]
     assert_error(r, 504, "queue_timeout")
-    assert r.headers["x-lane"] == "interactive"
-    tight.wait_metric("tokenlane_requests_total", lambda v: v >= 1, outcome="timeout", lane="interactive")
+    assert r.headers["x-lane"] == "expiring"
+    tight.wait_metric("tokenlane_requests_total", lambda v: v >= 1, outcome="timeout", lane="expiring")
 
 
 def test_429_deadline_cannot_be_met(tight):

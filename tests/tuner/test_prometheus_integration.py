@@ -143,12 +143,24 @@ def _traffic(url: str, n: int, lane: str, prompt: str, max_tokens: int) -> list[
         return list(pool.map(one, range(n)))
 
 
+def _wait_until_scraped(prom_url: str, query: str, lanes: set[str], timeout_s: float = 60.0) -> None:
+    """Until Prometheus has a sample of `query` for each lane with a value >= 1."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = httpx.get(f"{prom_url}/api/v1/query", params={"query": query}, timeout=10).json()["data"]["result"]
+        if lanes <= {r["metric"].get("lane") for r in result if float(r["value"][1]) >= 1}:
+            return
+        assert time.monotonic() < deadline, f"Prometheus never scraped {query} for {lanes}: {result}"
+        time.sleep(0.2)
+
+
 def test_tuner_reads_prometheus_changes_a_budget_and_the_runtime_reloads_it(stack):
     url, prom_url, config_path = stack["url"], stack["prom"], stack["config_path"]
     # One request per lane first: a counter series that appears between two scrapes already
     # at its final value has no rate() in Prometheus, so let each series be scraped first.
     statuses = _traffic(url, 1, "interactive", "warm up", 2) + _traffic(url, 1, "batch", "warm up", 2)
-    time.sleep(2.5)
+    _wait_until_scraped(prom_url, 'sum by (lane) (tokenlane_time_to_first_token_seconds_count{model="tiny"})',
+                        {"interactive", "batch"})
     statuses += _traffic(url, 24, "interactive", "hello there, how are you", 8)
     statuses += _traffic(url, 6, "batch", "summarise this document " * 8, 8)
     assert statuses.count(200) == len(statuses), statuses
