@@ -19,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from core_hooks import hold_from_step
+from core_hooks import hold_decoding_until_aborted, hold_from_step
 from serve_process import start_serve
 
 from tokenlane.runtime.config import load_config
@@ -55,8 +55,14 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
 
 
 @pytest.fixture(scope="module")
-def core_server(serve):
-    return serve(CORE)
+def core_gate(tmp_path_factory):
+    """A file that arms core_hooks.hold_decoding_until_aborted in core_server (absent: off)."""
+    return tmp_path_factory.mktemp("core-gate") / "hold"
+
+
+@pytest.fixture(scope="module")
+def core_server(serve, core_gate):
+    return serve(CORE, on_core_start=functools.partial(hold_decoding_until_aborted, str(core_gate)))
 
 
 @pytest.fixture(scope="module")
@@ -159,30 +165,32 @@ def test_the_cores_refusals_keep_their_status_and_are_counted(core_server):
     assert core_server.metric("tokenlane_tenant_throttled_total", tenant="capped") == 1
 
 
-def test_a_client_that_leaves_frees_its_blocks_in_the_core(core_server):
+def test_a_client_that_leaves_frees_its_blocks_in_the_core(core_server, core_gate):
+    core_server.wait_metric("tokenlane_requests_running", lambda v: v == 0)
     free0 = core_server.metric("tokenlane_kv_blocks_free")
     cancelled0 = core_server.metric("tokenlane_requests_total", outcome="cancelled")
 
-    async def leave_after_two_events(i):
+    async def leave_mid_stream(i):
         payload = {"prompt": list(range(30 + i, 70 + i)), "max_tokens": 400, "ignore_eos": True, "stream": True}
         async with httpx.AsyncClient(base_url=core_server.url, timeout=60) as client:
             async with client.stream("POST", "/v1/completions", json=payload) as r:
+                # The stream's headers come once the request has its first token (its text may
+                # still be held back by the detokenizer, so no data line is awaited).
                 assert r.status_code == 200
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += line.startswith("data: ")
-                    if seen == 2:
-                        return
 
     async def main():
-        await asyncio.gather(*(leave_after_two_events(i) for i in range(6)))
+        await asyncio.gather(*(leave_mid_stream(i) for i in range(6)))
 
-    asyncio.run(main())
-    # Every request either finished before its client left or was cancelled in the core;
-    # either way every block comes back.
-    core_server.wait_metric("tokenlane_requests_running", lambda v: v == 0)
+    # The core gives none of the six a second token before its abort is staged there: every
+    # client leaves mid-generation, by construction.
+    core_gate.write_text("armed")
+    try:
+        asyncio.run(main())
+        core_server.wait_metric("tokenlane_requests_running", lambda v: v == 0)
+    finally:
+        core_gate.unlink()
     core_server.wait_metric("tokenlane_kv_blocks_free", lambda v: v == free0)
-    assert core_server.metric("tokenlane_requests_total", outcome="cancelled") > cancelled0
+    assert core_server.metric("tokenlane_requests_total", outcome="cancelled") == cancelled0 + 6
     assert httpx.get(core_server.url + "/health").json() == {"status": "ok"}
 
 
