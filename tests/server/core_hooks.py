@@ -33,7 +33,6 @@ def hold_from_step(gate_file: str, core) -> None:
     executor.execute = held_execute
 
 
-
 def hold_decoding_until_aborted(gate_file: str, core) -> None:
     """While `gate_file` exists, a step that would give a sequence its second token waits
     until that sequence's abort is staged in the core (60 s bound). A sequence with its first
@@ -42,18 +41,20 @@ def hold_decoding_until_aborted(gate_file: str, core) -> None:
     the machine is. Other sequences in the step wait with it, never for their own client."""
     engine = core.engine
     executor = engine.executor
-    execute = executor.execute
+    execute, abort_request = executor.execute, engine.abort_request
+    aborted: set[str] = set()  # ids whose abort the core's command thread has staged
 
-    def staged_aborts() -> set:
-        with engine._lock:
-            return {request_id for request_id, *_ in engine._aborts}
+    def recorded_abort_request(request_id, *args):
+        abort_request(request_id, *args)
+        aborted.add(request_id)
 
     def held_execute(plan):
         if Path(gate_file).exists():
             decoding = {chunk.request.request_id for chunk in plan.chunks if chunk.request.num_output_tokens}
             deadline = time.monotonic() + 60
-            while not decoding <= staged_aborts() and time.monotonic() < deadline:
+            while not decoding <= aborted and time.monotonic() < deadline:
                 time.sleep(0.01)
         return execute(plan)
 
+    engine.abort_request = recorded_abort_request
     executor.execute = held_execute

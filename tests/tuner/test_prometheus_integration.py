@@ -145,12 +145,13 @@ def _traffic(url: str, n: int, lane: str, prompt: str, max_tokens: int) -> list[
 
 def _wait_until_scraped(prom_url: str, query: str, lanes: set[str], timeout_s: float = 60.0) -> None:
     """Until Prometheus has a sample of `query` for each lane with a value >= 1."""
+    client = PrometheusClient(prom_url, timeout_s=10)
     deadline = time.monotonic() + timeout_s
     while True:
-        result = httpx.get(f"{prom_url}/api/v1/query", params={"query": query}, timeout=10).json()["data"]["result"]
-        if lanes <= {r["metric"].get("lane") for r in result if float(r["value"][1]) >= 1}:
+        series = asyncio.run(client.query(query))
+        if lanes <= {s.labels.get("lane") for s in series if s.value is not None and s.value >= 1}:
             return
-        assert time.monotonic() < deadline, f"Prometheus never scraped {query} for {lanes}: {result}"
+        assert time.monotonic() < deadline, f"Prometheus never scraped {query} for {lanes}: {series}"
         time.sleep(0.2)
 
 
