@@ -11,15 +11,15 @@ import sys
 
 # subcommand -> (module exposing `main(argv: list[str]) -> int | None`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("tokenlane.runtime.server", "start the OpenAI-compatible runtime server"),
-    "router": ("tokenlane.runtime.fleet_router", "route requests across replicas by lane, load and prefix"),
+    "serve": ("tokenlane.runtime.entrypoints.server", "start the OpenAI-compatible runtime server"),
+    "router": ("tokenlane.runtime.fleet.router", "route requests across replicas by lane, load and prefix"),
     "operator": ("tokenlane.operator.main", "run the Kubernetes operator (kopf)"),
-    "render": ("tokenlane.operator.render", "print the objects the operator would create"),
-    "check": ("tokenlane.operator.check", "lint a runtime.yaml or ModelService/ServingLanes for going live"),
-    "bench": ("tokenlane.runtime.bench.cli", "load generator, simulator and report"),
-    "plan": ("tokenlane.runtime.bench.plan", "lane budgets and replicas for your own traffic, in the simulator"),
-    "demo": ("tokenlane.runtime.bench.demo", "the embedded demo: tiny model, three lanes"),
-    "make-tiny-model": ("tokenlane.runtime.tiny_model", "write a small random-weight checkpoint"),
+    "render": ("tokenlane.operator.tools.render", "print the objects the operator would create"),
+    "check": ("tokenlane.operator.tools.check", "lint a runtime.yaml or ModelService/ServingLanes for going live"),
+    "bench": ("tokenlane.bench.cli", "load generator, simulator and report"),
+    "plan": ("tokenlane.bench.plan", "lane budgets and replicas for your own traffic, in the simulator"),
+    "demo": ("tokenlane.bench.demo", "the embedded demo: tiny model, three lanes"),
+    "make-tiny-model": ("tokenlane.runtime.executor.tiny_model", "write a small random-weight checkpoint"),
 }
 
 

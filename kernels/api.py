@@ -44,7 +44,7 @@ def fresh_prefill_through_cache(backend: str, device: torch.device, head_dim: in
     """Whether `paged_attention` should get prefill chunks without cached context too (their
     keys read back from the cache, where the model writes them first): the Triton kernels and
     the native C prefill kernel (head sizes 32 and 64) take them. Otherwise the model sends
-    such chunks straight to SDPA over their fresh keys (runtime/model.py)."""
+    such chunks straight to SDPA over their fresh keys (runtime/executor/llama.py)."""
     resolved = resolve_backend(backend, device)
     if resolved == "triton":
         return True
@@ -77,7 +77,7 @@ def rope_write_kv(qkv, num_heads, num_kv_heads, cos, sin_signed, key_cache, valu
                   backend: str = "auto") -> bool:
     """With the native backend, in one C call: RoPE on the query and key heads of `qkv`
     `[T, (Hq + 2 Hkv) * D]` in place (`cos`, and `sin_signed` with its first half negated, are
-    `[T, D]`; bitwise runtime/model.py's `apply_rope_`), then `write_kv_cache` of its keys and
+    `[T, D]`; bitwise runtime/executor/llama.py's `apply_rope_`), then `write_kv_cache` of its keys and
     values. False, with nothing done, where it does not apply (another backend, dtype or
     layout): the caller rotates with torch ops and calls `write_kv_cache`."""
     if backend != "native" and resolve_backend(backend, qkv.device) != "native":
@@ -120,7 +120,7 @@ def paged_attention(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:
-    """runtime/model.py's RMSNorm of a [rows, cols] batch, a new tensor in x's dtype. float32:
+    """runtime/executor/llama.py's RMSNorm of a [rows, cols] batch, a new tensor in x's dtype. float32:
     `(x * rsqrt(mean(x^2, -1) + eps)) * weight`; other dtypes as transformers' LlamaRMSNorm
     (statistics in float32, `weight * normed.to(dtype)`). With the `native` backend, float32 and
     bf16 batches take one C call (kernels/cpu_native.py; the sum of squares in another order

@@ -1208,12 +1208,12 @@ int tl_write_kv(const void *k, const void *v, int src_dtype, int64_t s_tok, int6
     return TL_OK;
 }
 
-/* runtime/model.py's `apply_rope_` on the query and key heads of one layer's qkv rows, in
+/* runtime/executor/llama.py's `apply_rope_` on the query and key heads of one layer's qkv rows, in
  * place, then the KV cache write of the rotated keys and the values (tl_write_kv): one call
  * instead of five torch ops and a second call per layer. Row t of `qkv` (float32, row stride
  * `s_tok` elements) holds hq query heads, then hkv key heads, then hkv value heads, of `d`
  * elements each. `cos` and `sin` are float32 [n, d] (row stride `cs_tok`), `sin` with its first
- * half negated (runtime/model.py's `signed_sin`), so that for each head x:
+ * half negated (runtime/executor/llama.py's `signed_sin`), so that for each head x:
  *   x[i] <- x[i] * cos[i] + x[(i + d/2) % d] * sin[i]
  * computed as the torch ops compute it: both products rounded, then their sum (no fused
  * multiply-add: the pragmas below keep GCC and clang from contracting), so the result is
@@ -1257,7 +1257,7 @@ int tl_rope_write_kv(float *qkv, int64_t n, int64_t s_tok, const float *cos, con
 }
 #pragma GCC pop_options
 
-/* RMSNorm of each row of a [rows, cols] matrix, as runtime/model.py's RMSNorm computes it.
+/* RMSNorm of each row of a [rows, cols] matrix, as runtime/executor/llama.py's RMSNorm computes it.
  * float32 (dtype TL_FLOAT32): out = (x * (1 / sqrt(mean(x^2) + eps))) * w, in that order.
  * bfloat16 (TL_BFLOAT16; x, w and out bf16), as transformers' LlamaRMSNorm: the row widened to
  * float32, n = bf16(x * (1 / sqrt(mean(x^2) + eps))), out = bf16(w * n), each rounding to

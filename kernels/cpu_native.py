@@ -300,7 +300,7 @@ def can_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """runtime/model.py's RMSNorm of each row in one C call (a new tensor): float32
+    """runtime/executor/llama.py's RMSNorm of each row in one C call (a new tensor): float32
     `(x * rsqrt(mean(x^2) + eps)) * weight`; bfloat16 as transformers' LlamaRMSNorm (float32
     statistics, `weight * normed.to(bf16)`). Equal to torch's up to the order of the sum of
     squares."""
@@ -393,7 +393,7 @@ def try_rope_write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
 ) -> bool:
-    """runtime/model.py's `apply_rope_` on the query and key heads of `qkv` in place (bitwise
+    """runtime/executor/llama.py's `apply_rope_` on the query and key heads of `qkv` in place (bitwise
     the torch ops' result), then `write_kv_cache` of its keys and values, in one C call. False,
     with nothing done, where it does not apply (no kernel here, other dtypes or layouts): the
     caller then takes the torch ops. The per-layer entry point: cheap checks only."""
@@ -628,7 +628,7 @@ class PanelLinear:
     has AVX512-BF16: [ceil(N / width), ceil(K / 2), width, 2], pairs of k). Each output is the
     float32 sum of x[k] * weight[n, k] in order of k, then the bias (in bf16, rounded once to
     bf16 at the end): equal to F.linear up to summation order. Built for the few rows of a
-    decode step (runtime/cpu_dense.py says when it is used)."""
+    decode step (runtime/executor/cpu_dense.py says when it is used)."""
 
     DTYPES = (torch.float32, torch.bfloat16)
 

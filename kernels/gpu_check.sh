@@ -42,7 +42,7 @@ fi
 fi
 
 echo "== CUDA graphs: decode bench (engine.cudaGraphs) =="
-timeout "${GRAPH_TIMEOUT:-300}" $PY -m tokenlane.runtime.bench.cuda_graph_bench --json "$OUT/cuda_graphs.json" \
+timeout "${GRAPH_TIMEOUT:-300}" $PY -m tokenlane.bench.cuda_graph_bench --json "$OUT/cuda_graphs.json" \
   ${GRAPH_ARGS:-} 2>&1 | tee "$OUT/cuda_graphs.txt"
 echo "cuda graph bench exit: ${PIPESTATUS[0]}"
 TOKENLANE_TRITON_AUTOTUNE=0 timeout "${GRAPH_TEST_TIMEOUT:-120}" $PY -m pytest tests/runtime/test_cuda_graphs.py \

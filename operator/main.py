@@ -29,8 +29,9 @@ from typing import Any, Optional
 
 import kopf
 
-from tokenlane.operator import k8s, scaling, tuning
-from tokenlane.operator.handlers import Operator, register
+from tokenlane.operator.clients import kube as k8s
+from tokenlane.operator.controllers import scaling, tuning
+from tokenlane.operator.controllers.handlers import Operator, register
 
 log = logging.getLogger("tokenlane.operator")
 

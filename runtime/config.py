@@ -27,8 +27,6 @@ from typing import Any, Optional
 
 import yaml
 
-from tokenlane.runtime.cpu_placement import check_setting as check_cpu_bind
-
 LANE_CLASSES = ("interactive", "long-context", "batch")
 POLICIES = ("decode-first", "mixed")
 STEP_TIME_BUDGETS = ("off", "auto")
@@ -36,7 +34,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 EXECUTORS = ("model", "simulated")
-CPU_COMPUTE_DTYPES = ("auto", "model", "float32")  # engine.cpuComputeDtype (runtime/cpu_dense.py)
+CPU_COMPUTE_DTYPES = ("auto", "model", "float32")  # engine.cpuComputeDtype (runtime/executor/cpu_dense.py)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # engine.kvCacheDtype
 MAX_CUDA_GRAPH_BATCH = 512  # engine.cudaGraphMaxBatch: static buffers and start-up grow with it
 
@@ -153,6 +151,59 @@ SCHEDULER, LANE, BOTH = "scheduler", "lane", "both"
 # How a lane's value meets the global one (knobs in BOTH): the smaller wins, or the lane's
 # value replaces the global one (a batch lane may wait longer than the global queue timeout).
 CAP_MIN, CAP_REPLACE = "min", "replace"
+
+# engine.cpuBind's grammar; the placement itself is runtime/executor/cpu_placement.py.
+MAX_CPU = 4096
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """"0-3,8" -> (0, 1, 2, 3, 8), in the order written. ValueError on anything else, a
+    reversed range or a CPU listed twice."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        first, dash, last = part.partition("-")
+        if not first.strip().isdigit() or (dash and not last.strip().isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list like '0-3,8' (bad part {part!r})")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo:
+            raise ValueError(f"{text!r}: range {part!r} runs backwards")
+        if hi >= MAX_CPU:
+            raise ValueError(f"{text!r}: CPU {hi} is out of range (< {MAX_CPU})")
+        cpus.extend(range(lo, hi + 1))
+    seen = set()
+    for cpu in cpus:
+        if cpu in seen:
+            raise ValueError(f"{text!r} lists CPU {cpu} twice")
+        seen.add(cpu)
+    return tuple(cpus)
+
+
+def format_cpu_list(cpus) -> str:
+    """(0, 1, 2, 5) -> "0-2,5" (sorted)."""
+    out: list[str] = []
+    run: list[int] = []
+    for cpu in sorted(cpus):
+        if run and cpu == run[-1] + 1:
+            run.append(cpu)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [cpu]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def check_cpu_bind(setting: Optional[str], cpu_threads: Optional[int]) -> None:
+    """ValueError unless `setting` is unset, auto, none or a CPU list whose length is
+    `cpuThreads` (when that is set too)."""
+    if setting is None or setting in ("auto", "none"):
+        return
+    cpus = parse_cpu_list(setting)
+    if cpu_threads is not None and cpu_threads != len(cpus):
+        raise ValueError(f"lists {len(cpus)} CPUs but cpuThreads is {cpu_threads}: one compute "
+                         f"thread runs on each listed CPU (leave cpuThreads unset)")
 
 
 @dataclass(frozen=True)
@@ -285,7 +336,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # auto = triton on CUDA; on the CPU native (the C decode kernel) if it builds, else torch.
     attention_backend: str = "auto"
-    # Decode steps replay CUDA graphs recorded at start-up (runtime/cuda_graphs.py); off until
+    # Decode steps replay CUDA graphs recorded at start-up (runtime/executor/cuda_graphs.py); off until
     # measured on a GPU. Batches above cudaGraphMaxBatch sequences run eager.
     cuda_graphs: bool = False
     cuda_graph_max_batch: int = 64
@@ -294,11 +345,11 @@ class EngineConfig:
     seed: int = 0
     # torch compute threads of the engine on the CPU; unset = auto (docs/configuration.md).
     cpu_threads: Optional[int] = None
-    # The step loop in a process of its own (runtime/engine_core.py), off the HTTP server's GIL.
+    # The step loop in a process of its own (runtime/engine/core_process.py), off the HTTP server's GIL.
     # Unset = off; unset rather than false so that configs written before the key existed keep
     # their restart hash (an operator upgrade does not roll every pod).
     core_process: Optional[bool] = None
-    # Thread placement (runtime/cpu_placement.py): auto | none | a CPU list such as "2-15".
+    # Thread placement (runtime/executor/cpu_placement.py): auto | none | a CPU list such as "2-15".
     # Unset = auto; unset rather than "auto" to keep the restart hash of older configs.
     cpu_bind: Optional[str] = None
 

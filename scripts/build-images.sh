@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the two images the manifests run: the runtime (ModelService.spec.image's default,
-# from operator/schema.py) and the operator (manifests/base/operator-deployment.yaml), from
+# from operator/api/schema.py) and the operator (manifests/base/operator-deployment.yaml), from
 # manifests/images/*.Dockerfile, with docker, podman or buildah.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ usage() {
 usage: scripts/build-images.sh [options] [runtime] [operator]
 
 Builds both images (or the ones named) from manifests/images/, tagged as the manifests expect:
-the runtime as operator/schema.py's DEFAULT_IMAGE, the operator as the image in
+the runtime as operator/api/schema.py's DEFAULT_IMAGE, the operator as the image in
 manifests/base/operator-deployment.yaml.
 
 options:
@@ -33,7 +33,7 @@ options:
                      arguments, its cert (a proxy's CA bundle, say) as the build secret
                      pip-cert, its first local find-links folder as --wheels. All are mounted
                      only while pip runs: nothing of them stays in the images
-  --runtime-tag T    tag of the runtime image (default: operator/schema.py's DEFAULT_IMAGE)
+  --runtime-tag T    tag of the runtime image (default: operator/api/schema.py's DEFAULT_IMAGE)
   --operator-tag T   tag of the operator image (default: the operator Deployment's image)
   --build-arg K=V    passed to both builds, after the script's own (so it wins); repeatable.
                      The Dockerfiles' arguments: CUDA_IMAGE, TORCH_VERSION, TORCH_INDEX_URL,
@@ -100,10 +100,10 @@ case "$engine" in docker|podman|buildah) ;; *) die "--engine must be docker, pod
 # What the manifests point at, so the tags cannot drift from them.
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | head -n1)
 torch_version=$(sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' pyproject.toml | head -n1)
-[[ -n $runtime_tag ]] || runtime_tag=$(sed -n 's/^DEFAULT_IMAGE = "\(.*\)"$/\1/p' operator/schema.py)
+[[ -n $runtime_tag ]] || runtime_tag=$(sed -n 's/^DEFAULT_IMAGE = "\(.*\)"$/\1/p' operator/api/schema.py)
 [[ -n $operator_tag ]] || operator_tag=$(sed -n 's/^ *image: *\([^ ]*tokenlane-operator[^ ]*\)$/\1/p' manifests/base/operator-deployment.yaml | head -n1)
 [[ -n $version && -n $torch_version && -n $runtime_tag && -n $operator_tag ]] \
-  || die "could not read the version, the torch pin or the image names from pyproject.toml, operator/schema.py and manifests/base"
+  || die "could not read the version, the torch pin or the image names from pyproject.toml, operator/api/schema.py and manifests/base"
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 
 image_exists() {

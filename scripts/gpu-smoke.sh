@@ -12,7 +12,7 @@ usage() {
   cat <<'EOF'
 usage: scripts/gpu-smoke.sh [--engine docker|podman] [--port PORT] [IMAGE]
 
-IMAGE defaults to operator/schema.py's DEFAULT_IMAGE (what scripts/build-images.sh tags).
+IMAGE defaults to operator/api/schema.py's DEFAULT_IMAGE (what scripts/build-images.sh tags).
 Prints the device torch sees and the completion; exits non-zero if anything fails.
 EOF
 }
@@ -29,7 +29,7 @@ while (( $# )); do
     *) image=$1; shift ;;
   esac
 done
-[[ -n $image ]] || image=$(sed -n 's/^DEFAULT_IMAGE = "\(.*\)"$/\1/p' operator/schema.py)
+[[ -n $image ]] || image=$(sed -n 's/^DEFAULT_IMAGE = "\(.*\)"$/\1/p' operator/api/schema.py)
 if [[ -z $engine ]]; then
   for candidate in docker podman; do
     if command -v "$candidate" >/dev/null; then engine=$candidate; break; fi

@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random-weight Llama checkpoint with a real tokenizer (built once per session)."""
-    from tokenlane.runtime.tiny_model import make_tiny_model
+    from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
 
@@ -47,7 +47,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     """The Qwen2 variant (qkv bias, tied embeddings)."""
-    from tokenlane.runtime.tiny_model import make_tiny_model
+    from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
 

@@ -48,7 +48,7 @@ COPY operator ./operator
 RUN --mount=type=secret,id=pip-cert,target=/run/secrets/pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
  && pip install ".[${EXTRAS}]" \
- && python -c "import torch, tokenlane.runtime.server; print('torch', torch.__version__)" \
+ && python -c "import torch, tokenlane.runtime.entrypoints.server; print('torch', torch.__version__)" \
  && case ",${EXTRAS}," in *,triton,*) python -c "import triton" ;; esac
 
 # ---- runtime image

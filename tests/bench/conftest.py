@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir, tmp_path_factory):
-    from tokenlane.runtime.bench.serve_proc import ServerProcess
+    from tokenlane.bench.serve_proc import ServerProcess
 
     config = {
         "model": {"path": str(tiny_model_dir), "servedName": "tiny", "maxModelLen": 1024},

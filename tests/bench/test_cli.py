@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tokenlane.runtime.bench.cli import main
-from tokenlane.runtime.bench.serve_proc import parse_override, set_path
+from tokenlane.bench.cli import main
+from tokenlane.bench.serve_proc import parse_override, set_path
 
 
 def test_simulate_phases_from_a_config_file(tmp_path, capsys):

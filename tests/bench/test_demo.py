@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenlane.runtime.bench import demo
+from tokenlane.bench import demo
 
 
 def _check(out, code, printed):

@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tokenlane.operator.autoscaler import AutoscalingPolicy, LaneScalingTarget
-from tokenlane.runtime import fleet_pick
-from tokenlane.runtime.bench import report
-from tokenlane.runtime.bench.cli import main
-from tokenlane.runtime.bench.fleet_sim import (
+from tokenlane.operator.policy.autoscaler import AutoscalingPolicy, LaneScalingTarget
+from tokenlane.runtime.fleet import pick as fleet_pick
+from tokenlane.bench import report
+from tokenlane.bench.cli import main
+from tokenlane.bench.fleet_sim import (
     ROUND_ROBIN,
     ROUTER,
     AutoscaleSettings,
@@ -22,9 +22,9 @@ from tokenlane.runtime.bench.fleet_sim import (
     ramp_traffic,
     simulate_fleet,
 )
-from tokenlane.runtime.bench.scenarios import production_config
-from tokenlane.runtime.bench.trace import Burst, LaneMix, TrafficSpec, build_requests
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.bench.scenarios import production_config
+from tokenlane.bench.trace import Burst, LaneMix, TrafficSpec, build_requests
+from tokenlane.runtime.core.request import Request, SamplingParams
 
 # A small KV pool (512 blocks of 16 tokens) keeps replicas cheap to build and lets a handful
 # of requests move KV usage, the autoscaler's sizing signal.
@@ -219,7 +219,7 @@ def test_fleet_command_prints_the_table_and_writes_json(tmp_path, capsys):
 
 
 def test_fleet_command_passes_the_autoscaler_knobs(tmp_path):
-    from tokenlane.runtime.bench import cli, fleet_sim
+    from tokenlane.bench import cli, fleet_sim
 
     cfg = tmp_path / "runtime.yaml"
     import yaml

@@ -4,9 +4,9 @@ reserve and the step-time budget hold the interactive SLO without starving the f
 
 from __future__ import annotations
 
-from tokenlane.runtime.bench import report
-from tokenlane.runtime.bench.scenarios import SCENARIOS
-from tokenlane.runtime.bench.sim import simulate
+from tokenlane.bench import report
+from tokenlane.bench.scenarios import SCENARIOS
+from tokenlane.bench.sim import simulate
 
 
 def test_lanes_kv_flood_isolation_holds_the_interactive_slo():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlane.runtime.bench import report
-from tokenlane.runtime.bench.loadgen import Target, check_loopback, run_load
-from tokenlane.runtime.bench.trace import PlannedRequest, Traffic, TrafficSpec
+from tokenlane.bench import report
+from tokenlane.bench.loadgen import Target, check_loopback, run_load
+from tokenlane.bench.trace import PlannedRequest, Traffic, TrafficSpec
 
 
 def test_only_loopback_targets():
@@ -74,7 +74,7 @@ async def test_time_limit_bounds_the_run(tiny_server):
 def test_bench_run_cli_writes_json_and_png(tiny_server, tmp_path, capsys):
     import json
 
-    from tokenlane.runtime.bench.cli import main
+    from tokenlane.bench.cli import main
 
     code = main(["run", "--url", tiny_server.url, "--out", str(tmp_path), "--duration", "2", "--rate", "3",
                  "--lane", "interactive:1:short:short", "--max-output-tokens", "8", "--no-progress", "--seed", "1"])

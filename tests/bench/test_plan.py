@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from tokenlane.cli import main as tokenlane
-from tokenlane.operator.tuner_types import LANE_KNOBS, EffectiveBudgets
-from tokenlane.runtime.bench import plan, report
-from tokenlane.runtime.bench.trace import TRACE_NAME, TrafficSpec, build_requests
+from tokenlane.operator.api.tuning_types import LANE_KNOBS, EffectiveBudgets
+from tokenlane.bench import plan, report
+from tokenlane.bench.trace import TRACE_NAME, TrafficSpec, build_requests
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "manifests" / "samples" / "llama3-8b.yaml"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tokenlane.runtime.bench import report
-from tokenlane.runtime.bench.report import LaneSLO, RequestRecord, RunResult
+from tokenlane.bench import report
+from tokenlane.bench.report import LaneSLO, RequestRecord, RunResult
 
 
 def rec(i, lane="a", outcome=report.OK, ttft=0.1, tpot=0.01, e2e=1.0, out=10, reason="", stream=True):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokenlane.runtime.bench import report
-from tokenlane.runtime.bench.scenarios import lanes_config, production_config
-from tokenlane.runtime.bench.sim import simulate
-from tokenlane.runtime.bench.trace import LaneMix, TrafficSpec, build_requests, merge
+from tokenlane.bench import report
+from tokenlane.bench.scenarios import lanes_config, production_config
+from tokenlane.bench.sim import simulate
+from tokenlane.bench.trace import LaneMix, TrafficSpec, build_requests, merge
 
 
 def small_traffic(seed=0, **kw):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlane.runtime.bench.simulator import (
+from tokenlane.runtime.executor.simulated import (
     ChunkShape,
     SimulatedExecutor,
     VirtualClock,
@@ -13,8 +13,8 @@ from tokenlane.runtime.bench.simulator import (
     step_cost,
 )
 from tokenlane.runtime.config import RuntimeConfig
-from tokenlane.runtime.plan import ScheduledChunk, StepPlan
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.core.step_plan import ScheduledChunk, StepPlan
+from tokenlane.runtime.core.request import Request, SamplingParams
 
 H200 = get_profile("h200-llama3-8b")
 H100 = get_profile("h100-llama3-8b")
@@ -89,7 +89,7 @@ def test_executor_samples_synthetic_tokens_and_advances_the_clock():
 
 def test_executor_without_clock_sleeps_in_real_time(monkeypatch):
     slept = []
-    monkeypatch.setattr("tokenlane.runtime.bench.simulator.time.sleep", slept.append)
+    monkeypatch.setattr("tokenlane.runtime.executor.simulated.time.sleep", slept.append)
     ex = SimulatedExecutor(_config(kvCacheBlocks=10))
     req = Request("r", [1] * 4, SamplingParams(max_tokens=2))
     out = ex.execute(StepPlan(chunks=[ScheduledChunk(req, 0, 4, True)], num_batched_tokens=4))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenlane.runtime.bench import trace
-from tokenlane.runtime.bench.trace import Burst, LaneMix, TrafficSpec, build_requests, load_trace, merge
+from tokenlane.bench import trace
+from tokenlane.bench.trace import Burst, LaneMix, TrafficSpec, build_requests, load_trace, merge
 
 
 def test_packaged_trace_matches_the_shared_csv():
@@ -119,5 +119,5 @@ def test_packaged_trace_is_package_data():
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     # In a real (non-symlinked) install the file exists only if package-data shipped it.
     assert trace.PACKAGED_TRACE.exists()
-    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["tokenlane.runtime.bench"]
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["tokenlane.bench"]
     assert any(fnmatch.fnmatch(trace.PACKAGED_TRACE.name, p) for p in patterns)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tokenlane.runtime.bench import vs_vllm
+from tokenlane.bench import vs_vllm
 
 PEER_COMMAND = (f"{sys.executable} -m tokenlane.cli serve --model {{model}} --dtype {{dtype}} "
                 "--host 127.0.0.1 --port {port} --log-level warning --shutdown-grace-seconds 1")

@@ -189,9 +189,9 @@ class Traffic:
 
 def lane_window(prometheus_url: str, model: str, namespace: str, window_s: float, lanes: list[str]) -> dict:
     """{lane: (TTFT p95 ms or None, refused share, requests in the window)} over the last
-    `window_s`, read with the operator's own PromQL (tokenlane.operator.tuning.read_prometheus);
+    `window_s`, read with the operator's own PromQL (tokenlane.operator.controllers.tuning.read_prometheus);
     {} when Prometheus cannot be read."""
-    from tokenlane.operator.tuning import read_prometheus
+    from tokenlane.operator.controllers.tuning import read_prometheus
 
     sample = asyncio.run(read_prometheus(prometheus_url, model, window_s, lanes, namespace=namespace))
     if not sample.available:

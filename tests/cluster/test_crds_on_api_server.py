@@ -27,7 +27,7 @@ from crd_cases import (  # noqa: E402  (tests/operator: the same table the offli
     set_field,
 )
 
-from tokenlane.operator import schema  # noqa: E402
+from tokenlane.operator.api import schema  # noqa: E402
 from tokenlane.runtime.config import SchedulerConfig  # noqa: E402
 
 NS = "crd-tests"

@@ -45,10 +45,10 @@ from cluster_harness import (
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
 from test_scaling import AUTOSCALING_INVALID  # noqa: E402  (tests/operator: the offline CEL cases)
 
-from tokenlane.runtime.bench.serve_proc import free_port  # noqa: E402
-from tokenlane.runtime.fleet_discovery import ApiAccess, EndpointSliceWatcher  # noqa: E402
-from tokenlane.runtime.fleet_router import RouterOptions, create_router_app  # noqa: E402
-from tokenlane.runtime.fleet_state import BackendSet  # noqa: E402
+from tokenlane.bench.serve_proc import free_port  # noqa: E402
+from tokenlane.runtime.fleet.discovery import ApiAccess, EndpointSliceWatcher  # noqa: E402
+from tokenlane.runtime.fleet.router import RouterOptions, create_router_app  # noqa: E402
+from tokenlane.runtime.fleet.state import BackendSet  # noqa: E402
 
 NAMESPACED = "manifests/overlays/namespaced"
 ROUTER_SA = "tokenlane-router"

@@ -7,7 +7,7 @@
   by the API server with strict field validation and stored as sent (nothing pruned).
 - Per kind, a wrong object is refused with the server's own message (the schemas validate).
 - manifests/argocd/health/*.lua run on ModelService / ServingLane objects as the server
-  returns them after the status the operator's own functions (operator/status.py) compute
+  returns them after the status the operator's own functions (operator/desired/status.py) compute
   was written through the status subresource: pruning, defaults and generation are the
   server's, not a hand-written dict's.
 
@@ -307,7 +307,7 @@ class Objects:
     def write_status(self, obj: dict, wanted: dict) -> dict:
         """The operator's write (handlers._write_status): a merge patch of the status keys that
         differ, on the status subresource."""
-        from tokenlane.operator import status
+        from tokenlane.operator.desired import status
 
         patch = status.status_patch(obj.get("status") or {}, wanted, tuple(obj.get("status") or {}))
         return self.api.patch_namespaced_custom_object_status(
@@ -343,7 +343,8 @@ def create_sample(objects: Objects, name: str, extra_lanes: tuple = ()) -> tuple
 def operator_status(msvc_obj: dict, lane_objs: list[dict], deployment_status: Optional[dict]):
     """The status the operator computes from the objects as stored (defaults applied by the
     server) and a state of the shared pool's Deployment (None: not created yet)."""
-    from tokenlane.operator import builders, model, status
+    from tokenlane.operator.desired import builders, status
+    from tokenlane.operator.api import resources as model
 
     msvc = model.parse_model_service(msvc_obj)
     lanes = [model.parse_serving_lane(o) for o in lane_objs]
@@ -427,7 +428,8 @@ def test_health_of_a_lane_the_operator_rejects(objects: Objects):
 
 
 def test_health_of_an_invalid_spec(objects: Objects):
-    from tokenlane.operator import model, status
+    from tokenlane.operator.api import resources as model
+    from tokenlane.operator.desired import status
 
     msvc, lanes = create_sample(objects, "invalid")
     # A spec stored before the CRD had a rule the operator's parser enforces (a CRD upgrade
@@ -445,7 +447,8 @@ def test_health_of_an_invalid_spec(objects: Objects):
 
 
 def test_health_of_a_lane_whose_model_service_is_missing(objects: Objects):
-    from tokenlane.operator import model, status
+    from tokenlane.operator.api import resources as model
+    from tokenlane.operator.desired import status
 
     (lane,) = [objects.create({"apiVersion": "tokenlane.dev/v1alpha1", "kind": "ServingLane",
                                "metadata": {"name": "orphan", "namespace": objects.namespace},
@@ -456,9 +459,9 @@ def test_health_of_a_lane_whose_model_service_is_missing(objects: Objects):
 
 
 def test_health_with_the_tuners_conditions(objects: Objects):
-    """RolledBack and SLOMet are written by the rollout guard and the tuner (operator/tuning.py)
+    """RolledBack and SLOMet are written by the rollout guard and the tuner (operator/controllers/tuning.py)
     next to the reconciler's conditions; merge_conditions keeps both."""
-    from tokenlane.operator import status
+    from tokenlane.operator.desired import status
 
     msvc, lanes = create_sample(objects, "tuned")
     msvc_status, lane_statuses = operator_status(msvc, lanes, READY_DEPLOYMENT)

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
 from tokenlane.runtime import config as cfg
-from tokenlane.runtime.metrics import PrometheusMetrics
+from tokenlane.runtime.observability.metrics import PrometheusMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

@@ -26,10 +26,10 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenlane.runtime.bench.serve_proc import ServerProcess, free_port
+from tokenlane.bench.serve_proc import ServerProcess, free_port
 from tokenlane.runtime.config import RuntimeConfig
-from tokenlane.runtime.fleet_router import RouterOptions, create_router_app
-from tokenlane.runtime.fleet_state import BackendSet
+from tokenlane.runtime.fleet.router import RouterOptions, create_router_app
+from tokenlane.runtime.fleet.state import BackendSet
 
 LANES = [
     {"name": "interactive", "default": True, "priority": 100, "weight": 4},

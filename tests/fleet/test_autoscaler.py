@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenlane.operator.autoscaler import (
+from tokenlane.operator.policy.autoscaler import (
     DOWN,
     HOLD,
     LINEAR_BELOW,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlane.runtime.fleet_discovery import ApiAccess, in_cluster_namespace, ready_backends
-from tokenlane.runtime.fleet_router import main
+from tokenlane.runtime.fleet.discovery import ApiAccess, in_cluster_namespace, ready_backends
+from tokenlane.runtime.fleet.router import main
 
 
 def endpoint_slice(endpoints, ports=({"name": "http", "port": 8000},), address_type="IPv4"):

@@ -24,9 +24,9 @@ from fleet_helpers import (
 )
 
 from tokenlane.runtime.config import RuntimeConfig
-from tokenlane.runtime.fleet_pick import LaneLoad, Refusal, affine_replica, affinity_key, pick
-from tokenlane.runtime.fleet_router import RouterOptions
-from tokenlane.runtime.fleet_state import BackendSet, parse_replica_metrics
+from tokenlane.runtime.fleet.pick import LaneLoad, Refusal, affine_replica, affinity_key, pick
+from tokenlane.runtime.fleet.router import RouterOptions
+from tokenlane.runtime.fleet.state import BackendSet, parse_replica_metrics
 
 SYSTEM = ("You are the release assistant of a small team. Answer in one short paragraph, cite the "
           "changelog entry you used, and never invent version numbers. ") * 5  # ~720 characters
@@ -36,7 +36,7 @@ SYSTEM = ("You are the release assistant of a small team. Answer in one short pa
 
 
 def test_scrape_reads_the_runtimes_own_exposition():
-    from tokenlane.runtime.metrics import PrometheusMetrics
+    from tokenlane.runtime.observability.metrics import PrometheusMetrics
 
     metrics = PrometheusMetrics("sim")
     metrics.set_config(RuntimeConfig.from_dict(simulated_config()))
@@ -65,7 +65,7 @@ def test_backend_urls_are_checked(url, error):
 
 
 def test_router_command_line_errors(capsys):
-    from tokenlane.runtime.fleet_router import main
+    from tokenlane.runtime.fleet.router import main
 
     assert main([]) == 2 and "--backend" in capsys.readouterr().err
     assert main(["--backend", "localhost:1"]) == 2 and "http://" in capsys.readouterr().err
@@ -78,7 +78,7 @@ def test_router_imports_without_torch():
     code = ("import sys\n"
             "for blocked in ('torch', 'triton', 'transformers', 'tokenizers'):\n"
             "    sys.modules[blocked] = None\n"
-            "import tokenlane.runtime.fleet_router\n")
+            "import tokenlane.runtime.fleet.router\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 0, result.stderr
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from property_examples import examples
 
-from tokenlane.runtime.fleet_pick import (
+from tokenlane.runtime.fleet.pick import (
     AFFINITY,
     LEAST_LOADED,
     LaneLoad,

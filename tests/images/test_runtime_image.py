@@ -39,7 +39,7 @@ def free_port() -> int:
 def rendered():
     """The objects the operator makes of the CPU sample: the Deployment's pod spec and the
     runtime.yaml its ConfigMap carries."""
-    from tokenlane.operator.render import read_documents, render_documents
+    from tokenlane.operator.tools.render import read_documents, render_documents
 
     objects, problems = render_documents(read_documents([str(SAMPLE)]))
     assert not problems, problems

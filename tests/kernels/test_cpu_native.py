@@ -439,9 +439,9 @@ def test_kv_write_dispatch_and_refusals(monkeypatch):
 
 
 def _rope_case(cache_dtype, hq, hkv, d, num_tokens=23, block_size=16, num_blocks=5, seed=0):
-    """One layer's qkv rows, cos and signed sin of random positions (as runtime/model.py's
+    """One layer's qkv rows, cos and signed sin of random positions (as runtime/executor/llama.py's
     RotaryEmbedding and signed_sin make them), slots with one skipped, NaN-filled caches."""
-    from tokenlane.runtime.model import signed_sin
+    from tokenlane.runtime.executor.llama import signed_sin
 
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen) * 3
@@ -459,11 +459,11 @@ def _rope_case(cache_dtype, hq, hkv, d, num_tokens=23, block_size=16, num_blocks
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("hq, hkv, d", [(8, 4, 32), (4, 4, 64), (32, 8, 128), (6, 2, 10)])
 def test_rope_write_kv_is_bitwise_the_torch_ops(cache_dtype, hq, hkv, d):
-    """The fused C call gives the bits of runtime/model.py's apply_rope_ (two products, then
+    """The fused C call gives the bits of runtime/executor/llama.py's apply_rope_ (two products, then
     their sum: no fused multiply-add) and of the torch KV write, for the queries, the keys and
     every cache element."""
     from tokenlane.kernels.reference import write_kv_cache_ref
-    from tokenlane.runtime.model import apply_rope_
+    from tokenlane.runtime.executor.llama import apply_rope_
 
     qkv, cos, sin, (kc, vc), slots = _rope_case(cache_dtype, hq, hkv, d)
     want, want_k, want_v = qkv.clone(), kc.clone(), vc.clone()
@@ -500,7 +500,7 @@ def test_rope_write_kv_refusals_leave_everything_as_it_was():
 # ------------------------------------------------------------------ RMSNorm
 
 def _torch_rms_norm(x, weight, eps):
-    """runtime/model.py's RMSNorm (the torch path of kernels.api.rms_norm)."""
+    """runtime/executor/llama.py's RMSNorm (the torch path of kernels.api.rms_norm)."""
     return api.rms_norm(x, weight, eps, backend="torch")
 
 

@@ -14,8 +14,8 @@ from tokenlane.runtime.config import (
     RuntimeConfig,
     SchedulerConfig,
 )
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.request import Request, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,6 +1,6 @@
 """Validating custom resources the way the API server would: structural schema (with
 defaults applied) via jsonschema, then the CRD's CEL rules (x-kubernetes-validations) via
-cel-python. Kept independent of operator/schema.py on purpose: these tests check the CRDs
+cel-python. Kept independent of operator/api/schema.py on purpose: these tests check the CRDs
 as rendered into the manifests, whatever produced them."""
 
 from __future__ import annotations

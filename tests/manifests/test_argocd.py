@@ -131,10 +131,10 @@ def test_applications_point_at_paths_that_render_and_ignore_nothing():
 
 def _operator_objects(deployment_status: dict | None, replicas: int | None = None):
     """The CPU sample's ModelService and lanes with the status the operator itself computes
-    (operator/status.py) for a given state of the shared Deployment."""
-    model = pytest.importorskip("tokenlane.operator.model")
-    builders = pytest.importorskip("tokenlane.operator.builders")
-    status = pytest.importorskip("tokenlane.operator.status")
+    (operator/desired/status.py) for a given state of the shared Deployment."""
+    model = pytest.importorskip("tokenlane.operator.api.resources")
+    builders = pytest.importorskip("tokenlane.operator.desired.builders")
+    status = pytest.importorskip("tokenlane.operator.desired.status")
     from manifests_helpers import SAMPLE, load_yaml_docs
 
     docs = load_yaml_docs(SAMPLE)
@@ -180,8 +180,8 @@ def test_a_model_service_scaled_to_zero_is_healthy():
 
 
 def test_health_of_a_lane_the_operator_finds_orphaned_or_invalid():
-    model = pytest.importorskip("tokenlane.operator.model")
-    status = pytest.importorskip("tokenlane.operator.status")
+    model = pytest.importorskip("tokenlane.operator.api.resources")
+    status = pytest.importorskip("tokenlane.operator.desired.status")
     _, lanes = _operator_objects(None)
     body = lanes[0]
     lane = model.parse_serving_lane(body)

@@ -191,7 +191,7 @@ def build_args(argv: list[str]) -> dict[str, str]:
 
 
 def test_build_script_tags_what_the_manifests_run():
-    from tokenlane.operator.schema import DEFAULT_IMAGE
+    from tokenlane.operator.api.schema import DEFAULT_IMAGE
 
     runtime, operator = dry_run("--engine", "docker")
     assert runtime[runtime.index("-t") + 1] == DEFAULT_IMAGE

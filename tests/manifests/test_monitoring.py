@@ -90,18 +90,18 @@ def exported_series_names() -> set[str]:
     kube-state-metrics exports from our custom resources."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from tokenlane.runtime.metrics import PrometheusMetrics
+    from tokenlane.runtime.observability.metrics import PrometheusMetrics
 
     families = list(PrometheusMetrics(model="probe").registry.collect())
     try:
-        import tokenlane.operator.metrics as operator_metrics
+        import tokenlane.operator.controllers.metrics as operator_metrics
     except ImportError:
         operator_metrics = None
     if operator_metrics is not None:
         for value in vars(operator_metrics).values():
             if isinstance(value, MetricWrapperBase):
                 families += value.describe()
-    from tokenlane.runtime import gpu_metrics
+    from tokenlane.runtime.observability import gpu_metrics
 
     names = kube_state_metrics_names() | set(gpu_metrics.NAMES)  # NVML gauges: only where a GPU is
     for family in families:
@@ -265,7 +265,7 @@ def test_prometheus_config_is_valid(tmp_path):
 
 def test_scrape_config_keeps_the_pods_the_operator_renders():
     """The runtime job keeps exactly the label values the operator puts on runtime pods."""
-    builders = pytest.importorskip("tokenlane.operator.builders")
+    builders = pytest.importorskip("tokenlane.operator.desired.builders")
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "tokenlane-runtime"]
     keep = job["relabel_configs"][0]

@@ -4,7 +4,7 @@ more: no wildcard, no Secrets, no verb or resource it does not use.
 The calls come from the operator's kmock test, which records every request the running
 operator sends (tests/operator/api_calls.json), plus the kopf framework calls that test cannot
 see (it runs kopf standalone and cluster-wide: peering and the namespace scan are off there).
-Until that recording exists, the list below, read off operator/handlers.py, operator/k8s.py
+Until that recording exists, the list below, read off operator/controllers/handlers.py, operator/clients/kube.py
 and kopf's own sources, stands in for it.
 """
 
@@ -138,11 +138,12 @@ def _calls_the_emulator_cannot_show(recorded: set[Call]) -> set[Call]:
     """Calls a real cluster sees that the kmock recording cannot, derived from the code:
     - ServiceMonitors: the emulator serves no monitoring.coreos.com kind, so the operator only
       lists them there; on a cluster with the Prometheus Operator the executor treats them like
-      every other owned kind (operator/k8s.py OWNED), i.e. with the verbs recorded for Services.
-    - Owner references with blockOwnerDeletion (operator/builders.py owner_reference) need
+      every other owned kind (operator/clients/kube.py OWNED), i.e. with the verbs recorded for Services.
+    - Owner references with blockOwnerDeletion (operator/desired/builders.py owner_reference) need
       `update` on modelservices/finalizers where the OwnerReferencesPermissionEnforcement
       admission plugin is on (OpenShift and hardened clusters)."""
-    from tokenlane.operator import builders, k8s
+    from tokenlane.operator.desired import builders
+    from tokenlane.operator.clients import kube as k8s
 
     calls = set()
     if k8s.SERVICE_MONITORS in k8s.OWNED:

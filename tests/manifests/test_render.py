@@ -234,7 +234,7 @@ def _operator_rendered(sample: str) -> list[dict]:
     import yaml
 
     if not (ROOT / "operator" / "render.py").exists():
-        pytest.skip("operator/render.py not written yet")
+        pytest.skip("operator/tools/render.py not written yet")
     result = subprocess.run([sys.executable, "-m", "tokenlane.cli", "render", "-f", str(MANIFESTS / "samples" / sample)],
                             capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 0, result.stderr

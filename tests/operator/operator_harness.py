@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional
 import kopf
 import yaml
 
-from tokenlane.operator import k8s, schema
-from tokenlane.operator.handlers import Operator, register
+from tokenlane.operator.clients import kube as k8s
+from tokenlane.operator.api import schema
+from tokenlane.operator.controllers.handlers import Operator, register
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

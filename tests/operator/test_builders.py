@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tokenlane.operator import builders
-from tokenlane.operator.builders import Overrides, build
-from tokenlane.operator.model import parse_model_service, parse_serving_lane
+from tokenlane.operator.desired import builders
+from tokenlane.operator.desired.builders import Overrides, build
+from tokenlane.operator.api.resources import parse_model_service, parse_serving_lane
 from tokenlane.runtime.config import loads_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tokenlane.cli import main as tokenlane
-from tokenlane.operator import check, checklist
+from tokenlane.operator.tools import check, checklist
 from tokenlane.runtime.config import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,7 +218,7 @@ def write_checkpoint(folder: Path, **overrides: Any) -> Path:
 
 def test_cpu_pool_size_comes_from_the_checkpoint_like_the_runtime(tmp_path):
     torch = pytest.importorskip("torch")
-    from tokenlane.runtime.model import kv_cache_bytes_per_block
+    from tokenlane.runtime.executor.llama import kv_cache_bytes_per_block
 
     ckpt = check.read_checkpoint(write_checkpoint(tmp_path / "m"))
     assert (ckpt.num_layers, ckpt.num_kv_heads, ckpt.head_dim) == (4, 2, 32)
@@ -309,7 +309,7 @@ def test_tiny_sample_is_a_demo_not_a_go_live_config():
 
 
 def test_demo_config_findings(tmp_path):
-    from tokenlane.runtime.bench.demo import demo_config
+    from tokenlane.bench.demo import demo_config
 
     path = tmp_path / "runtime.yaml"
     path.write_text(yaml.safe_dump(demo_config(tmp_path / "model", True)))

@@ -20,8 +20,8 @@ from crd_cases import (  # tests/operator, put on sys.path by conftest
     sample_docs,
     set_field,
 )
-from tokenlane.operator import schema
-from tokenlane.operator.model import parse_model_service, parse_serving_lane
+from tokenlane.operator.api import schema
+from tokenlane.operator.api.resources import parse_model_service, parse_serving_lane
 from tokenlane.runtime.config import EngineConfig, SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def _sample(kind: str, name: str) -> dict:
 
 def test_crd_files_are_generated_from_schema():
     for name, text in schema.render_crd_files().items():
-        assert (ROOT / "crds" / name).read_text() == text, f"crds/{name} is stale: python -m tokenlane.operator.schema crds/"
+        assert (ROOT / "crds" / name).read_text() == text, f"crds/{name} is stale: python -m tokenlane.operator.api.schema crds/"
 
 
 @pytest.mark.parametrize("kind", ["ModelService", "ServingLane"])

@@ -40,7 +40,7 @@ async def test_tokenlane_operator_cli_against_kmock(declared, tmp_path):
 
     import yaml
 
-    from tokenlane.operator import k8s
+    from tokenlane.operator.clients import kube as k8s
     import kopf
 
     kmock = declared

@@ -12,7 +12,7 @@ import copy
 import pytest
 from operator_harness import operator_writes, spec_writes  # tests/operator, put on sys.path by conftest
 
-from tokenlane.operator.builders import ANNOTATION_RESTART_HASH
+from tokenlane.operator.desired.builders import ANNOTATION_RESTART_HASH
 from tokenlane.runtime.config import loads_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,7 +62,7 @@ async def test_deployment_readiness_flows_into_status(cluster, tiny_samples):
     await cluster.create(msvc)
     await cluster.wait_for(lambda: cluster.obj("deployments", "tiny"), what="Deployment")
     # Play the Deployment controller: the pods became ready.
-    from tokenlane.operator import k8s
+    from tokenlane.operator.clients import kube as k8s
     await cluster.client.merge_patch(k8s.DEPLOYMENTS, "tokenlane-demo", "tiny",
                                      {"status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}},
                                      subresource="status")
@@ -222,7 +222,7 @@ async def test_steady_state_makes_no_writes(cluster, tiny_samples):
     await cluster.create(msvc)
     await cluster.create(interactive)
     await cluster.wait_for(lambda: (cluster.obj("modelservices", "tiny").get("status") or {}).get("lanes") == 1)
-    from tokenlane.operator.handlers import reconcile_model_service
+    from tokenlane.operator.controllers.handlers import reconcile_model_service
     import asyncio
     await asyncio.sleep(0.5)  # let the events of our own writes settle
     # The reconcile that wrote `lanes: 1` still holds the lock while it writes the lane's

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from tokenlane.operator.builders import ANNOTATION_APPLIED_HASH, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
-from tokenlane.operator.planner import first_difference, plan
+from tokenlane.operator.desired.builders import ANNOTATION_APPLIED_HASH, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
+from tokenlane.operator.desired.planner import first_difference, plan
 
 
 def obj(kind="ConfigMap", name="m-config", data=None, applied="h1", owner="m", **extra):
@@ -117,7 +117,7 @@ def test_plan_with_managed_fields(desired, observed, expected):
 
 
 def test_first_unowned_sets_and_atomic_lists():
-    from tokenlane.operator.planner import first_unowned
+    from tokenlane.operator.desired.planner import first_unowned
 
     assert first_unowned({"finalizers": ["a", "b"]}, {"f:finalizers": {'v:"a"': {}, 'v:"b"': {}}}) is None
     assert first_unowned({"finalizers": ["a", "c"]}, {"f:finalizers": {'v:"a"': {}}}) == ".finalizers[1]"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tokenlane.operator import render
+from tokenlane.operator.tools import render
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "manifests" / "samples"
@@ -93,7 +93,7 @@ def test_rendered_objects_and_crds_validate_against_kubernetes_schemas(k8s_versi
     schema in strict mode (no unknown fields), for the oldest and a recent supported version."""
     import kubernetes_validate
 
-    from tokenlane.operator import schema
+    from tokenlane.operator.api import schema
 
     assert render.main(["-f", str(SAMPLES)]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))

@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tokenlane.operator import autoscaler, builders, render, scaling
-from tokenlane.operator.model import parse_model_service, parse_serving_lane
-from tokenlane.operator.prometheus import Series
+from tokenlane.operator.policy import autoscaler
+from tokenlane.operator.desired import builders
+from tokenlane.operator.tools import render
+from tokenlane.operator.controllers import scaling
+from tokenlane.operator.api.resources import parse_model_service, parse_serving_lane
+from tokenlane.operator.clients.prometheus import Series
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "router.yaml"
@@ -56,7 +59,7 @@ AUTOSCALING_INVALID = [
 def test_cel_refuses_invalid_autoscaling(autoscaling, message):
     from test_crds import cel_failures  # the offline CEL evaluation of tests/operator/test_crds.py
 
-    from tokenlane.operator import schema
+    from tokenlane.operator.api import schema
 
     doc = copy.deepcopy(tiny_docs()[0])
     doc["spec"]["autoscaling"] = autoscaling

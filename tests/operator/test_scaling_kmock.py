@@ -16,9 +16,10 @@ import operator_harness
 import pytest
 from operator_harness import NS, running_cluster, spec_writes  # tests/operator, put on sys.path by conftest
 
-from tokenlane.operator import k8s, scaling
-from tokenlane.operator.autoscaler import FleetSample
-from tokenlane.operator.handlers import Operator
+from tokenlane.operator.clients import kube as k8s
+from tokenlane.operator.controllers import scaling
+from tokenlane.operator.policy.autoscaler import FleetSample
+from tokenlane.operator.controllers.handlers import Operator
 
 AUTOSCALING = {"enabled": True, "prometheusUrl": "http://prometheus.invalid:9090", "minReplicas": 1,
                "maxReplicas": 3, "interval": "1s", "scaleDown": {"stabilizationWindow": "1h"}}

@@ -19,8 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from tokenlane.operator import scaling
-from tokenlane.operator.prometheus import PrometheusClient
+from tokenlane.operator.controllers import scaling
+from tokenlane.operator.clients.prometheus import PrometheusClient
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenlane.operator.status import condition, merge_conditions, status_patch
+from tokenlane.operator.desired.status import condition, merge_conditions, status_patch
 
 
 def test_transition_time_changes_only_with_status():

@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 
 from crd_cases import sample  # tests/operator, put on sys.path by conftest
-from tokenlane.operator import schema
-from tokenlane.operator.builders import build
-from tokenlane.operator.model import parse_model_service
+from tokenlane.operator.api import schema
+from tokenlane.operator.desired.builders import build
+from tokenlane.operator.api.resources import parse_model_service
 from tokenlane.runtime.config import loads_config
 
 

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from tokenlane.runtime.admission import AdmissionError
-from tokenlane.runtime.async_engine import AsyncEngine
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import FinishReason, Request, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, StepGate, make_config
+from tokenlane.runtime.core.admission import AdmissionError
+from tokenlane.runtime.engine.async_engine import AsyncEngine
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.request import FinishReason, Request, SamplingParams
+from tokenlane.runtime.executor.fake import FakeExecutor, StepGate, make_config
 
 
 class SlowFake(FakeExecutor):

@@ -1,4 +1,4 @@
-"""The flat batch built with tensor ops (runtime/batch_inputs.py) against a plain per-token
+"""The flat batch built with tensor ops (runtime/executor/batch_inputs.py) against a plain per-token
 reference, on random mixed batches over several steps (block tables growing, copied on
 write, freed and refilled, rows released and reused)."""
 
@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from tokenlane.runtime.batch_inputs import BatchInputBuilder, PersistentBlockTables
-from tokenlane.runtime.plan import ScheduledChunk
-from tokenlane.runtime.request import Request, SamplingParams, TokenLogprob
+from tokenlane.runtime.executor.batch_inputs import BatchInputBuilder, PersistentBlockTables
+from tokenlane.runtime.core.step_plan import ScheduledChunk
+from tokenlane.runtime.core.request import Request, SamplingParams, TokenLogprob
 
 
 def reference_inputs(chunks: list[ScheduledChunk], block_size: int, sdpa_fresh_prefill: bool) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tokenlane.runtime.config import ConfigError, RuntimeConfig
-from tokenlane.runtime.cpu_placement import (
+from tokenlane.runtime.executor.cpu_placement import (
     AUTO_MIN_CORES,
     Placement,
     Topology,
@@ -186,8 +186,8 @@ def test_a_step_loop_thread_pins_its_compute_threads_one_per_cpu(tiny_model_dir)
     """The step thread and the OpenMP worker it runs the model with each end up on one CPU of
     the list, in order, and the engine still serves."""
     from tokenlane.kernels import cpu_native
-    from tokenlane.runtime.engine import LLMEngine
-    from tokenlane.runtime.request import Request, SamplingParams
+    from tokenlane.runtime.engine.llm_engine import LLMEngine
+    from tokenlane.runtime.core.request import Request, SamplingParams
 
     if not cpu_native.available():
         pytest.skip(f"the native library is not built here: {cpu_native.load_error()}")
@@ -229,7 +229,7 @@ def test_without_the_native_library_the_step_thread_is_confined_not_pinned(monke
     import torch
 
     from tokenlane.kernels import cpu_native
-    from tokenlane.runtime.cpu_placement import bind_compute_threads
+    from tokenlane.runtime.executor.cpu_placement import bind_compute_threads
 
     monkeypatch.setattr(cpu_native, "load", lambda: None)
     monkeypatch.setattr(cpu_native, "load_error", lambda: "no C compiler ('cc' not found; set CC)")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenlane.runtime.config import ConfigError, RuntimeConfig
-from tokenlane.runtime.executor import place_cpu_threads
+from tokenlane.runtime.executor.model_executor import place_cpu_threads
 
 
 def config_with(**engine) -> RuntimeConfig:

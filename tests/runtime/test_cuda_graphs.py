@@ -1,8 +1,8 @@
-"""CUDA graphs for decode batches (runtime/cuda_graphs.py): everything but the recording runs
+"""CUDA graphs for decode batches (runtime/executor/cuda_graphs.py): everything but the recording runs
 on the CPU — bucket choice, padding, the eager fallback decisions, and the static-buffer
 forward pass (`EagerDecodeRunner`) against the executor's unpadded path on the tiny model.
 The recording itself is checked on a GPU (`gpu` marker here, and the benchmark
-`python -m tokenlane.runtime.bench.cuda_graph_bench`, run by kernels/gpu_check.sh)."""
+`python -m tokenlane.bench.cuda_graph_bench`, run by kernels/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from tokenlane.runtime.config import ConfigError, EngineConfig, ModelConfig, RuntimeConfig, loads_config
-from tokenlane.runtime.cuda_graphs import (
+from tokenlane.runtime.executor.cuda_graphs import (
     CudaGraphDecodeRunner,
     EagerDecodeRunner,
     graph_batch_sizes,
     pick_bucket,
 )
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.model import AttentionMetadata
-from tokenlane.runtime.plan import ScheduledChunk, StepPlan
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.executor.llama import AttentionMetadata
+from tokenlane.runtime.core.step_plan import ScheduledChunk, StepPlan
+from tokenlane.runtime.core.request import Request, SamplingParams
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +90,7 @@ def test_graph_runner_refuses_cpu_and_the_torch_backend(tiny_model_dir):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a host without a GPU")
 def test_cuda_graphs_with_device_auto_on_a_cpu_host_warn_and_run_eager(tiny_model_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="tokenlane.runtime.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="tokenlane.runtime.executor.cuda_graphs"):
         ex = make_executor(tiny_model_dir, device="auto", cuda_graphs=True)
     assert ex.decode_runner is None
     assert "engine.cudaGraphs is set but the engine runs on cpu" in caplog.text
@@ -135,7 +135,7 @@ def test_only_decode_batches_within_the_graphs_take_the_static_path(tiny_model_d
 
 
 def test_dynamic_rope_past_the_original_length_runs_eager(tmp_path):
-    from tokenlane.runtime.tiny_model import make_tiny_model
+    from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", num_layers=1, max_position_embeddings=32,
                            rope_scaling={"rope_type": "dynamic", "factor": 2.0})
@@ -295,7 +295,7 @@ def test_benchmark_dry_run_checks_its_replay_on_the_cpu(tmp_path):
     """The GPU benchmark's code path on the CPU (no recording): batch 3 runs padded to 4."""
     import json
 
-    from tokenlane.runtime.bench.cuda_graph_bench import main
+    from tokenlane.bench.cuda_graph_bench import main
 
     out = tmp_path / "bench.json"
     assert main(["--dry-run", "--batch-sizes", "1,3,4", "--json", str(out)]) == 0
@@ -310,10 +310,10 @@ def test_benchmark_dry_run_checks_its_replay_on_the_cpu(tmp_path):
 _TRITON_SCRIPT = """
 import sys, torch
 from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig
-from tokenlane.runtime.cuda_graphs import EagerDecodeRunner
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.plan import ScheduledChunk, StepPlan
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.executor.cuda_graphs import EagerDecodeRunner
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.core.step_plan import ScheduledChunk, StepPlan
+from tokenlane.runtime.core.request import Request, SamplingParams
 torch.set_num_threads(1)
 result = {}
 for name, backend, static in (("torch", "torch", False), ("triton", "triton", False),

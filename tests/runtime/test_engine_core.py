@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from tokenlane.runtime.admission import AdmissionError
-from tokenlane.runtime.engine import LLMEngine, RestartRequired
-from tokenlane.runtime.request import FinishReason, Request, RequestStatus, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.core.admission import AdmissionError
+from tokenlane.runtime.engine.llm_engine import LLMEngine, RestartRequired
+from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
 
 
 class Clock:
@@ -455,7 +455,7 @@ def test_from_config_model_streams_text_that_matches_the_tokens(tiny_model_dir):
 
 
 def test_from_config_simulated_executor():
-    from tokenlane.runtime.bench.simulator import VirtualClock
+    from tokenlane.runtime.executor.simulated import VirtualClock
 
     config = make_config(max_model_len=4096)
     config = dataclasses.replace(config, engine=dataclasses.replace(

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tokenlane.runtime.bench import engine_vs_hf as bench
+from tokenlane.bench import engine_vs_hf as bench
 
 
 def test_workload_is_the_documented_workload():

@@ -12,10 +12,10 @@ import torch
 from tokenlane.kernels.cpu_attention import paged_attention_cpu
 from tokenlane.kernels.reference import paged_attention_ref
 from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.model import kv_cache_bytes_per_block
-from tokenlane.runtime.plan import ScheduledChunk, StepPlan
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.executor.llama import kv_cache_bytes_per_block
+from tokenlane.runtime.core.step_plan import ScheduledChunk, StepPlan
+from tokenlane.runtime.core.request import Request, SamplingParams
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +81,7 @@ def test_bad_token_is_that_requests_error_only(tiny_model_dir):
 
 
 def test_context_over_model_length_is_an_error(tmp_path):
-    from tokenlane.runtime.tiny_model import make_tiny_model
+    from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", num_layers=1, max_position_embeddings=16)
     ex = make_executor(path)
@@ -145,7 +145,7 @@ def test_config_errors_are_clear(tmp_path, tiny_model_dir):
 
 
 def test_unsupported_architecture_and_missing_weights(tmp_path):
-    from tokenlane.runtime.tiny_model import make_tiny_model
+    from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", num_layers=1)
     cfg = json.loads((path / "config.json").read_text())
@@ -165,9 +165,9 @@ def test_unsupported_architecture_and_missing_weights(tmp_path):
 _TRITON_SCRIPT = """
 import sys, torch
 from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.plan import ScheduledChunk, StepPlan
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.core.step_plan import ScheduledChunk, StepPlan
+from tokenlane.runtime.core.request import Request, SamplingParams
 torch.set_num_threads(1)
 result = {}
 for backend in ("torch", "triton"):

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from tokenlane.runtime.admission import AdmissionError
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.flight_recorder import (FlightRecorder, config_hash, dump_document_json, parse_since,
+from tokenlane.runtime.core.admission import AdmissionError
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.observability.flight_recorder import (FlightRecorder, config_hash, dump_document_json, parse_since,
                                                write_dump)
-from tokenlane.runtime.request import Request, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, make_config
-from tokenlane.runtime.bench.simulator import VirtualClock as Clock
+from tokenlane.runtime.core.request import Request, SamplingParams
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
+from tokenlane.runtime.executor.simulated import VirtualClock as Clock
 
 LANES = [
     {"name": "interactive", "default": True, "priority": 100, "weight": 4},
@@ -173,8 +173,8 @@ def test_dump_text_is_json_dumps_of_the_document_encoded_step_by_step():
 
 
 def test_bench_report_draws_a_timeline_of_recorded_steps(tmp_path, capsys):
-    from tokenlane.runtime.bench import cli
-    from tokenlane.runtime.flight_recorder import read_steps
+    from tokenlane.bench import cli
+    from tokenlane.runtime.observability.flight_recorder import read_steps
 
     engine, recorder = make_engine(num_blocks=12, kv_cache_high_watermark=0.99, kv_cache_reject_watermark=1.0)
     for rid, lane in (("a", "interactive"), ("b", "batch"), ("c", "batch")):

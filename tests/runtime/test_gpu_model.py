@@ -17,9 +17,9 @@ pytestmark = [
 
 def _run(path, dtype, n=12, seed=0):
     from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
-    from tokenlane.runtime.engine import LLMEngine
-    from tokenlane.runtime.executor import ModelExecutor
-    from tokenlane.runtime.request import Request, SamplingParams
+    from tokenlane.runtime.engine.llm_engine import LLMEngine
+    from tokenlane.runtime.executor.model_executor import ModelExecutor
+    from tokenlane.runtime.core.request import Request, SamplingParams
 
     config = RuntimeConfig(
         model=ModelConfig(path=str(path), dtype=dtype),

@@ -89,7 +89,7 @@ def test_lane_budgets_follow_each_knobs_cap_rule(lane_value):
 
 
 def test_metrics_export_every_lane_knob():
-    from tokenlane.runtime.metrics import BUDGET_KEYS, PrometheusMetrics
+    from tokenlane.runtime.observability.metrics import BUDGET_KEYS, PrometheusMetrics
 
     assert BUDGET_KEYS == {k.key: k.attr for k in LANE_KNOBS}
     metrics = PrometheusMetrics("m")
@@ -113,7 +113,7 @@ def _check_fragment(fragment: dict, k: cfg.Knob, description: str) -> None:
 
 
 def test_crd_schemas_hold_exactly_the_knobs():
-    from tokenlane.operator import schema
+    from tokenlane.operator.api import schema
 
     msvc, lane = schema.crd_schema("ModelService"), schema.crd_schema("ServingLane")
     scheduler = _props(msvc, "spec", "scheduler")
@@ -131,8 +131,10 @@ def test_crd_schemas_hold_exactly_the_knobs():
 
 
 def test_the_operator_derives_its_knob_lists():
-    from tokenlane.operator import builders, rollout, tuner_types
-    from tokenlane.operator.tuner_types import EffectiveBudgets
+    from tokenlane.operator.desired import builders
+    from tokenlane.operator.policy import rollout
+    from tokenlane.operator.api import tuning_types as tuner_types
+    from tokenlane.operator.api.tuning_types import EffectiveBudgets
 
     assert set(builders.LANE_BUDGET_KEYS) == {k.key for k in LANE_KNOBS}
     assert set(tuner_types.LANE_KNOBS) | set(tuner_types.GLOBAL_KNOBS) == {k.key for k in TUNED_KNOBS}

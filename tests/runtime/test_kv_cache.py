@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlane.runtime.kv_cache import KVCacheManager, hash_block
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.core.kv_cache import KVCacheManager, hash_block
+from tokenlane.runtime.core.request import Request, SamplingParams
 
 
 def req(rid: str, tokens: list[int]) -> Request:

@@ -16,9 +16,9 @@ from tokenlane.runtime.config import (
     RuntimeConfig,
     SchedulerConfig,
 )
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.request import Request, SamplingParams
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.core.request import Request, SamplingParams
 
 
 def _engine(model_dir, kv_cache_dtype, backend="auto", **engine_kw):

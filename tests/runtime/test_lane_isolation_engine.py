@@ -11,12 +11,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.runtime.config import RuntimeConfig
-from tokenlane.runtime.engine import LLMEngine, restart_field_changes
-from tokenlane.runtime.metrics import PrometheusMetrics
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
-from tokenlane.runtime.step_cost import MIN_OBSERVATIONS, chunk_terms
-from tokenlane.runtime.testing import FakeExecutor, make_config
-from tokenlane.runtime.bench.simulator import VirtualClock as Clock
+from tokenlane.runtime.engine.llm_engine import LLMEngine, restart_field_changes
+from tokenlane.runtime.observability.metrics import PrometheusMetrics
+from tokenlane.runtime.core.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.core.step_cost import MIN_OBSERVATIONS, chunk_terms
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
+from tokenlane.runtime.executor.simulated import VirtualClock as Clock
 
 torch = pytest.importorskip("torch")
 

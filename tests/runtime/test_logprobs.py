@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.request import Request, SamplingParams, TokenLogprob
-from tokenlane.runtime.tokenizer import load_tokenizer
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.core.request import Request, SamplingParams, TokenLogprob
+from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
 TOL = 1e-4
 _HF: dict = {}
@@ -235,7 +235,7 @@ def test_max_tokens_zero_scores_the_prompt_only(tiny_model_dir):
 def test_executor_without_logprobs_fails_the_request_not_the_engine():
     """An executor that returns no logprobs (the simulated one) ends such a request as an
     error; the others are served."""
-    from tokenlane.runtime.bench.simulator import SimulatedExecutor, VirtualClock
+    from tokenlane.runtime.executor.simulated import SimulatedExecutor, VirtualClock
 
     config = RuntimeConfig(
         model=ModelConfig(path="unused"),

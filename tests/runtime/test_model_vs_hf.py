@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.model import CausalLM
-from tokenlane.runtime.plan import ScheduledChunk, StepPlan
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.executor.llama import CausalLM
+from tokenlane.runtime.core.step_plan import ScheduledChunk, StepPlan
+from tokenlane.runtime.core.request import Request, RequestStatus, SamplingParams
 
 _HF_CACHE: dict = {}
 
@@ -236,7 +236,7 @@ def test_logits_match_hf_forward(model_dir):
         with torch.no_grad():
             expected = hf(torch.tensor([r.prompt_token_ids])).logits[0, -1]
         r.block_ids = list(range(-(-r.num_prompt_tokens // ex.block_size)))
-        from tokenlane.runtime.model import AttentionMetadata
+        from tokenlane.runtime.executor.llama import AttentionMetadata
 
         n = r.num_prompt_tokens
         meta = AttentionMetadata(
@@ -266,7 +266,7 @@ def test_logits_match_hf_forward(model_dir):
     ids=lambda s: s["rope_type"],
 )
 def test_rope_scaling_matches_hf(tmp_path, rope_scaling):
-    from tokenlane.runtime.tiny_model import make_tiny_model
+    from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
     # dynamic: max_position_embeddings 32 so the 40-token prompt exercises the rescaled base.
     path = make_tiny_model(tmp_path / "m", max_position_embeddings=32 if rope_scaling["rope_type"] == "dynamic" else 64,
@@ -277,7 +277,7 @@ def test_rope_scaling_matches_hf(tmp_path, rope_scaling):
     ids = torch.tensor([random.Random(3).randrange(5, 1000) for _ in range(n)])
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
-    from tokenlane.runtime.model import AttentionMetadata
+    from tokenlane.runtime.executor.llama import AttentionMetadata
 
     caches = [(torch.zeros(16, 4, 2, 16), torch.zeros(16, 4, 2, 16))]
     meta = AttentionMetadata(
@@ -292,7 +292,7 @@ def test_rope_scaling_matches_hf(tmp_path, rope_scaling):
 def test_unsupported_rope_type_is_a_clear_error(tmp_path):
     import json
 
-    from tokenlane.runtime.tiny_model import make_tiny_model
+    from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", num_layers=1)
     cfg = json.loads((path / "config.json").read_text())
@@ -345,7 +345,7 @@ def test_shared_prefix_blocks(model_dir):
 
 
 def test_block_copies_are_applied(tiny_model_dir):
-    from tokenlane.runtime.plan import StepPlan
+    from tokenlane.runtime.core.step_plan import StepPlan
 
     ex = executor_for(tiny_model_dir, blocks=8)
     for k, v in ex.kv_caches:
@@ -381,8 +381,8 @@ def run_engine(path, requests, *, blocks=256, block_size=4, chunk=7, max_batched
     """Run `requests` (then `late` ones, once the first has cached its prompt) to completion
     through LLMEngine + ModelExecutor; return the engine."""
     from tokenlane.runtime.config import SchedulerConfig
-    from tokenlane.runtime.engine import LLMEngine
-    from tokenlane.runtime.tokenizer import load_tokenizer
+    from tokenlane.runtime.engine.llm_engine import LLMEngine
+    from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
     config = RuntimeConfig(
         model=ModelConfig(path=str(path), dtype=dtype),
@@ -473,7 +473,7 @@ def test_mistral_sharded_checkpoint_matches_hf(tmp_path):
     ids = torch.tensor([random.Random(5).randrange(5, 512) for _ in range(n)])
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
-    from tokenlane.runtime.model import AttentionMetadata
+    from tokenlane.runtime.executor.llama import AttentionMetadata
 
     caches = [(torch.zeros(8, 4, 1, 16), torch.zeros(8, 4, 1, 16)) for _ in range(2)]
     meta = AttentionMetadata(
@@ -493,7 +493,7 @@ def test_engine_native_prefill_kernel_matches_hf(tmp_path, monkeypatch, head_dim
     included (chunk 512: whole prompts), goes through it, and greedy tokens still equal
     transformers'."""
     from tokenlane.kernels import cpu_native
-    from tokenlane.runtime.tiny_model import make_tiny_model
+    from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
     if not cpu_native.available():
         pytest.skip(f"no C compiler here: {cpu_native.load_error()}")

@@ -1,6 +1,6 @@
 """Parallel sampling (n > 1, best_of): the sequences of one prompt share its KV blocks.
 
-The engine runs with the strict fake executor (runtime/testing.py): every chunk checks that
+The engine runs with the strict fake executor (runtime/executor/fake.py): every chunk checks that
 its whole context reads back as the sequence's own tokens, so a wrong fork, a missed copy on
 write or a block written while shared fails loudly. Tokens are f(request id, position), so a
 recomputation after a preemption must reproduce the same output. The real model executor
@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from property_examples import examples
 
-from tokenlane.runtime.admission import AdmissionError
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams, SequenceGroup, sequence_seed
-from tokenlane.runtime.testing import FakeExecutor, fake_token, make_config
+from tokenlane.runtime.core.admission import AdmissionError
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.request import Request, RequestStatus, SamplingParams, SequenceGroup, sequence_seed
+from tokenlane.runtime.executor.fake import FakeExecutor, fake_token, make_config
 
 
 def group_of(name: str, prompt: list[int], n: int, max_tokens: int, **params) -> list[Request]:

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.request import Request, SamplingParams
-from tokenlane.runtime.sampler import Sampler, apply_logits_processors, apply_min_p, make_generator
-from tokenlane.runtime.tokenizer import load_tokenizer
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.core.request import Request, SamplingParams
+from tokenlane.runtime.executor.sampler import Sampler, apply_logits_processors, apply_min_p, make_generator
+from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
 
 def make_engine(path, chunk=7):

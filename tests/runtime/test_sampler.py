@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenlane.runtime.request import SamplingParams
-from tokenlane.runtime.sampler import Sampler, apply_top_k_top_p, make_generator
+from tokenlane.runtime.core.request import SamplingParams
+from tokenlane.runtime.executor.sampler import Sampler, apply_top_k_top_p, make_generator
 
 
 def sample_many(sampler, logits_row, params, n, seed=None):

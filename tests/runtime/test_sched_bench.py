@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenlane.runtime.bench import sched_bench
+from tokenlane.bench import sched_bench
 
 
 def test_sched_bench_writes_json(tmp_path, capsys):

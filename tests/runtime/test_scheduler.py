@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlane.runtime.request import FinishReason, Request, RequestStatus, SamplingParams
-from tokenlane.runtime.scheduler import Scheduler
-from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from tokenlane.runtime.core.scheduler import Scheduler
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
 
 
 class Clock:
@@ -340,9 +340,9 @@ def test_scheduler_stack_imports_without_torch():
 
     code = (
         "import sys\n"
-        "import tokenlane.runtime.scheduler, tokenlane.runtime.kv_cache, tokenlane.runtime.lanes\n"
-        "import tokenlane.runtime.admission, tokenlane.runtime.engine, tokenlane.runtime.async_engine\n"
-        "import tokenlane.runtime.testing, tokenlane.runtime.bench.sched_bench\n"
+        "import tokenlane.runtime.core.scheduler, tokenlane.runtime.core.kv_cache, tokenlane.runtime.core.lanes\n"
+        "import tokenlane.runtime.core.admission, tokenlane.runtime.engine.llm_engine, tokenlane.runtime.engine.async_engine\n"
+        "import tokenlane.runtime.executor.fake, tokenlane.bench.sched_bench\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

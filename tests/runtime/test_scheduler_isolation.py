@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tokenlane.runtime.config import ConfigError, RuntimeConfig
-from tokenlane.runtime.plan import StepPlan
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
-from tokenlane.runtime.scheduler import Scheduler
-from tokenlane.runtime.step_cost import MIN_OBSERVATIONS, StepCostModel, StepTimeBudget, chunk_terms
-from tokenlane.runtime.testing import FakeExecutor, make_config
-from tokenlane.runtime.bench.simulator import VirtualClock as Clock
+from tokenlane.runtime.core.step_plan import StepPlan
+from tokenlane.runtime.core.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.core.scheduler import Scheduler
+from tokenlane.runtime.core.step_cost import MIN_OBSERVATIONS, StepCostModel, StepTimeBudget, chunk_terms
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
+from tokenlane.runtime.executor.simulated import VirtualClock as Clock
 
 
 def req(rid, n_prompt=8, max_tokens=4, lane="default", *, first=0):

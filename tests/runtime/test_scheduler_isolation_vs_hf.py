@@ -36,9 +36,9 @@ def isolated_config(path, *, reserve):
 
 
 def test_greedy_outputs_equal_transformers_with_shares_budget_and_a_reserve_preemption(tiny_model_dir):
-    from tokenlane.runtime.engine import LLMEngine
-    from tokenlane.runtime.executor import ModelExecutor
-    from tokenlane.runtime.tokenizer import load_tokenizer
+    from tokenlane.runtime.engine.llm_engine import LLMEngine
+    from tokenlane.runtime.executor.model_executor import ModelExecutor
+    from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
     config = isolated_config(tiny_model_dir, reserve=None)
     engine = LLMEngine(config, ModelExecutor(config), tokenizer=load_tokenizer(tiny_model_dir))

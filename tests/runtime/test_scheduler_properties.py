@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenlane.runtime.admission import AdmissionError
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, fake_logprob, make_config
+from tokenlane.runtime.core.admission import AdmissionError
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.executor.fake import FakeExecutor, fake_logprob, make_config
 
 DT = 0.01  # simulated seconds per step
 STARVATION_STEPS = 8

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.flight_recorder import FlightRecorder
-from tokenlane.runtime.kv_cache import KVCacheManager
-from tokenlane.runtime.metrics import PrometheusMetrics
-from tokenlane.runtime.request import FinishReason, Request, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, make_config
-from tokenlane.runtime.bench.simulator import VirtualClock as Clock
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.observability.flight_recorder import FlightRecorder
+from tokenlane.runtime.core.kv_cache import KVCacheManager
+from tokenlane.runtime.observability.metrics import PrometheusMetrics
+from tokenlane.runtime.core.request import FinishReason, Request, SamplingParams
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
+from tokenlane.runtime.executor.simulated import VirtualClock as Clock
 
 torch = pytest.importorskip("torch")
 
@@ -210,7 +210,7 @@ def test_an_out_of_memory_step_fails_its_requests_and_the_engine_goes_on():
 
 
 def test_other_executor_errors_are_not_out_of_memory():
-    from tokenlane.runtime.engine import is_out_of_memory
+    from tokenlane.runtime.engine.llm_engine import is_out_of_memory
 
     assert is_out_of_memory(torch.OutOfMemoryError("x"))
     assert is_out_of_memory(torch.cuda.OutOfMemoryError("x"))

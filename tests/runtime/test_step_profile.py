@@ -1,4 +1,4 @@
-"""The step profiler (runtime/bench/step_profile.py): its phases account for the whole step,
+"""The step profiler (bench/step_profile.py): its phases account for the whole step,
 on a real engine with the tiny model; the table and JSON come out of a short offline run."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tokenlane.runtime.bench import step_profile
-from tokenlane.runtime.bench.step_profile import (
+from tokenlane.bench import step_profile
+from tokenlane.bench.step_profile import (
     ENGINE_PHASES,
     FORWARD_PHASES,
     format_table,
@@ -19,10 +19,10 @@ from tokenlane.runtime.bench.step_profile import (
     summarize,
 )
 from tokenlane.runtime.config import EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.executor import ModelExecutor
-from tokenlane.runtime.request import Request, SamplingParams
-from tokenlane.runtime.tokenizer import load_tokenizer
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.executor.model_executor import ModelExecutor
+from tokenlane.runtime.core.request import Request, SamplingParams
+from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
 
 def make_engine(model_dir) -> LLMEngine:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from tokenlane.runtime.async_engine import AsyncEngine
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, make_config
+from tokenlane.runtime.engine.async_engine import AsyncEngine
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.request import Request, SamplingParams
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
 
 
 class FinishWatcher:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tokenlane.runtime.request import SamplingParams
-from tokenlane.runtime.structured_output import (
+from tokenlane.runtime.core.request import SamplingParams
+from tokenlane.runtime.executor.structured_output import (
     GrammarCompiler,
     GrammarMatchers,
     allocate_bitmask,
@@ -19,8 +19,8 @@ from tokenlane.runtime.structured_output import (
     parse_tool_call,
     tool_call_schema,
 )
-from tokenlane.runtime.text_codec import TextCodec
-from tokenlane.runtime.tokenizer import load_tokenizer
+from tokenlane.runtime.entrypoints.text_codec import TextCodec
+from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": {

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenlane.runtime.config import TenantConfig
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.lanes import Lane
-from tokenlane.runtime.request import Request, SamplingParams
-from tokenlane.runtime.testing import FakeExecutor, make_config
-from tokenlane.runtime.bench.simulator import VirtualClock as Clock
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.lanes import Lane
+from tokenlane.runtime.core.request import Request, SamplingParams
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
+from tokenlane.runtime.executor.simulated import VirtualClock as Clock
 
 MAX_PROMPT = 24
 MAX_OUTPUT = 12

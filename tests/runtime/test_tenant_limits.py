@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
-from tokenlane.runtime.admission import AdmissionError
+from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.config import RuntimeConfig, TenantConfig
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
-from tokenlane.runtime.tenant_limits import TenantRateLimiter, TokenBucket
-from tokenlane.runtime.testing import FakeExecutor, make_config
-from tokenlane.runtime.bench.simulator import VirtualClock as Clock
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.core.tenant_limits import TenantRateLimiter, TokenBucket
+from tokenlane.runtime.executor.fake import FakeExecutor, make_config
+from tokenlane.runtime.executor.simulated import VirtualClock as Clock
 
 
 # (tokens per minute, charges before as (time, tokens), ask at (time, tokens), expected wait s)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tokenlane.runtime.tiny_model import main, make_tiny_model
+from tokenlane.runtime.executor.tiny_model import main, make_tiny_model
 
 
 def test_llama_checkpoint_files_and_config(tiny_model_dir):

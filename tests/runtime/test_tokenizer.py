@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from tokenlane.runtime import tokenizer as tokenizer_module
-from tokenlane.runtime.tokenizer import (
+from tokenlane.runtime.engine import tokenizer as tokenizer_module
+from tokenlane.runtime.engine.tokenizer import (
     IncrementalDetokenizer,
     apply_chat_template,
     byte_level_table,

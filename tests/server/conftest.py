@@ -22,7 +22,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.runtime.config import load_config
-from tokenlane.runtime.app import ServerOptions, create_app
+from tokenlane.runtime.entrypoints.app import ServerOptions, create_app
 
 # --import-mode=importlib does not put test folders on sys.path: the helper module
 # serve_process.py (a unique name) is imported by the tests that start `tokenlane serve`.
@@ -97,7 +97,7 @@ def start_server(config_text: str, model_dir: Path, tmp_dir: Path, *, grace_s: f
     `engine.coreProcess: true` in the config the engine runs in its own process, and
     `on_core_start` is its `on_start` hook (see core_hooks.py); unset, it runs in this
     process whatever the host (the tests reach into the in-process engine)."""
-    from tokenlane.runtime.engine_core import open_engine
+    from tokenlane.runtime.engine.core_process import open_engine
 
     config_path = tmp_dir / "runtime.yaml"
     config_path.write_text(config_text.format(model=model_dir))

@@ -9,9 +9,9 @@ import openai
 import pytest
 
 from tokenlane.runtime.config import load_config
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, SamplingParams
-from tokenlane.runtime.tokenizer import apply_chat_template, encode_prompt
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.request import Request, SamplingParams
+from tokenlane.runtime.engine.tokenizer import apply_chat_template, encode_prompt
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
 

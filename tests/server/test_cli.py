@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tokenlane.runtime.config import ConfigError, loads_config
-from tokenlane.runtime.server import apply_overrides, build_parser, main
+from tokenlane.runtime.entrypoints.server import apply_overrides, build_parser, main
 
 FILE = """
 model: {path: /models/a, servedName: a, maxModelLen: 1024}

@@ -7,10 +7,10 @@ import os
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.runtime.config import load_config
-from tokenlane.runtime.config_watch import ConfigWatcher
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.metrics import PrometheusMetrics
-from tokenlane.runtime.testing import FakeExecutor
+from tokenlane.runtime.engine.config_watch import ConfigWatcher
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.observability.metrics import PrometheusMetrics
+from tokenlane.runtime.executor.fake import FakeExecutor
 
 BASE = """
 model: {path: /models/tiny}

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from tokenlane.runtime.config import loads_config
-from tokenlane.runtime.metrics import INVALID_REASONS, PrometheusMetrics
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
-from tokenlane.runtime.http_errors import RequestLog
+from tokenlane.runtime.observability.metrics import INVALID_REASONS, PrometheusMetrics
+from tokenlane.runtime.core.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.entrypoints.http_errors import RequestLog
 
 POSTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 

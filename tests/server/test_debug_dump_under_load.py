@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from tokenlane.runtime.completions import TOKENIZE_INLINE_MAX_CHARS
-from tokenlane.runtime.testing import StepGate
+from tokenlane.runtime.entrypoints.completions import TOKENIZE_INLINE_MAX_CHARS
+from tokenlane.runtime.executor.fake import StepGate
 
 CONFIG = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}

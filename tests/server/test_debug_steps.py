@@ -132,7 +132,7 @@ def test_sigusr1_dumps_steps_metrics_and_config(tiny_model_dir, tmp_path):
 
 
 def test_a_negative_recorder_size_is_refused(capsys):
-    from tokenlane.runtime.server import main
+    from tokenlane.runtime.entrypoints.server import main
 
     assert main(["--model", "/nowhere", "--flight-recorder-steps", "-1"]) == 2
     assert "--flight-recorder-steps must be 0 (off) or more" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tokenlane.runtime.testing import StepGate
+from tokenlane.runtime.executor.fake import StepGate
 
 
 def idle_kv(live) -> tuple[float, float]:

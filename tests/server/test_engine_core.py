@@ -23,10 +23,10 @@ from core_hooks import hold_decoding_until_aborted, hold_from_step
 from serve_process import start_serve
 
 from tokenlane.runtime.config import load_config
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.engine_core import ProcessEngine
-from tokenlane.runtime.request import Request, SamplingParams
-from tokenlane.runtime.tokenizer import apply_chat_template, encode_prompt
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.engine.core_process import ProcessEngine
+from tokenlane.runtime.core.request import Request, SamplingParams
+from tokenlane.runtime.engine.tokenizer import apply_chat_template, encode_prompt
 
 CORE = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}

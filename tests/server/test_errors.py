@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tokenlane.runtime.config import hash_api_key
-from tokenlane.runtime.testing import StepGate
+from tokenlane.runtime.executor.fake import StepGate
 
 # One sequence runs at a time; the batch lane queues one request; requests of the `expiring`
 # lane time out after 300 ms in the queue (only the 504 test sends there: elsewhere a loaded

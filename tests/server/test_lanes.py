@@ -9,7 +9,7 @@ import threading
 
 import httpx
 
-from tokenlane.runtime.testing import StepGate
+from tokenlane.runtime.executor.fake import StepGate
 
 LANES = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from tokenlane.runtime.tokenizer import load_tokenizer
+from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

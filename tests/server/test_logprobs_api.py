@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from tokenlane.runtime.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from tokenlane.runtime.engine.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
 TOL = 1e-4

@@ -5,9 +5,9 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlane.runtime.config import loads_config
-from tokenlane.runtime.metrics import PrometheusMetrics
-from tokenlane.runtime.request import Request, RequestStatus, SamplingParams
-from tokenlane.runtime.stats import LaneStepStats, StepStats
+from tokenlane.runtime.observability.metrics import PrometheusMetrics
+from tokenlane.runtime.core.request import Request, RequestStatus, SamplingParams
+from tokenlane.runtime.core.stats import LaneStepStats, StepStats
 
 CFG = loads_config("""
 model: {path: /models/tiny, servedName: tiny}

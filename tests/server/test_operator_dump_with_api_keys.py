@@ -1,4 +1,4 @@
-"""The operator's rollback dump (operator/dumps.py) against a real runtime with API keys on: it
+"""The operator's rollback dump (operator/clients/dumps.py) against a real runtime with API keys on: it
 authenticates with the key, among those mounted for it, of one of the ModelService's tenants;
 without one it says so in the Event's sentence instead of collecting 401s. A loopback server
 stands in for Prometheus (it names the runtime's address, as `tokenlane_config_info` does)."""
@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tokenlane.operator import dumps
+from tokenlane.operator.clients import dumps
 from tokenlane.runtime.config import hash_api_key
 
 KEYED = """

@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 
-from tokenlane.runtime.testing import StepGate
+from tokenlane.runtime.executor.fake import StepGate
 
 SMALL_QUEUE = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tokenlane.runtime.testing import StepGate
+from tokenlane.runtime.executor.fake import StepGate
 
 CONFIG = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 1024}}

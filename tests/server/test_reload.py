@@ -9,7 +9,7 @@ import logging
 
 import httpx
 
-from tokenlane.runtime.testing import StepGate
+from tokenlane.runtime.executor.fake import StepGate
 
 CONFIG = """
 model: {{path: "{model}", servedName: tiny, maxModelLen: 512}}

@@ -8,9 +8,9 @@ import openai
 import pytest
 
 from tokenlane.runtime.config import load_config
-from tokenlane.runtime.engine import LLMEngine
-from tokenlane.runtime.request import Request, SamplingParams
-from tokenlane.runtime.tokenizer import encode_prompt
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.core.request import Request, SamplingParams
+from tokenlane.runtime.engine.tokenizer import encode_prompt
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
 IDS = {"return_token_ids": True}
@@ -78,12 +78,12 @@ def test_the_flag_is_strict(shared_server):
 
 
 def test_the_vs_vllm_greedy_probe_compares_token_ids(shared_server):
-    """runtime/bench/vs_vllm.py asks for the ids on its greedy probes and compares them when both
+    """bench/vs_vllm.py asks for the ids on its greedy probes and compares them when both
     servers return them: tokenlane now does."""
     import asyncio
 
-    from tokenlane.runtime.bench import vs_vllm
-    from tokenlane.runtime.bench.trace import PlannedRequest
+    from tokenlane.bench import vs_vllm
+    from tokenlane.bench.trace import PlannedRequest
 
     probe = PlannedRequest(index=1, arrival_s=0.0, lane=None, tenant="bench", prompt_tokens=12, max_tokens=5,
                            stream=False)

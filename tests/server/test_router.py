@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tokenlane.runtime.config import hash_api_key, loads_config
-from tokenlane.runtime.protocol import APIError
-from tokenlane.runtime.router import authenticate, choose_lane, parse_deadline_ms
+from tokenlane.runtime.entrypoints.protocol import APIError
+from tokenlane.runtime.entrypoints.routing import authenticate, choose_lane, parse_deadline_ms
 
 LANES = """
 model: {path: /m}

@@ -7,7 +7,7 @@ import openai
 import pytest
 import torch
 
-from tokenlane.runtime.tokenizer import load_tokenizer
+from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
 PROMPT = [17, 300, 45, 17, 300, 45, 17, 300, 45, 99]
 

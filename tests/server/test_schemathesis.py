@@ -8,7 +8,7 @@ One check is left out, `positive_data_acceptance` (every schema-valid body gets 
 rules are between fields or depend on the model, and a JSON Schema cannot state them (prompt
 tokens + max_tokens within the context length, tool_choice only with tools, guided_json being
 a valid JSON Schema, logit_bias keys in the vocabulary); such bodies get a 400. The rules it
-can state are declared (runtime/app.py, `_declare_validation_rules`), and the reverse check,
+can state are declared (runtime/entrypoints/app.py, `_declare_validation_rules`), and the reverse check,
 `negative_data_rejection` (a body the document forbids gets a 400), runs.
 """
 

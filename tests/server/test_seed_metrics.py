@@ -14,8 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenlane.runtime import gpu_metrics
-from tokenlane.runtime.metrics import ENDPOINT_OF_ID_PREFIX, ENDPOINTS, PrometheusMetrics
+from tokenlane.runtime.observability import gpu_metrics
+from tokenlane.runtime.observability.metrics import ENDPOINT_OF_ID_PREFIX, ENDPOINTS, PrometheusMetrics
 
 torch = pytest.importorskip("torch")
 
@@ -59,7 +59,7 @@ def test_invalid_requests_are_counted_per_endpoint_with_a_bounded_label():
 
 
 def test_the_endpoint_labels_are_the_servers_routes():
-    from tokenlane.runtime.http_errors import GENERATION_PATHS
+    from tokenlane.runtime.entrypoints.http_errors import GENERATION_PATHS
 
     assert {prefix: path for path, prefix in GENERATION_PATHS.items()} == ENDPOINT_OF_ID_PREFIX
 

@@ -22,7 +22,7 @@ engine: {{blockSize: 16, kvCacheBlocks: 128, device: cpu, executor: simulated}}
 # run) and a module global whose finalizer only the interpreter's teardown would run.
 WRAPPER = textwrap.dedent("""
     import atexit, sys
-    from tokenlane.runtime.server import main
+    from tokenlane.runtime.entrypoints.server import main
 
     class TeardownWitness:
         def __del__(self):

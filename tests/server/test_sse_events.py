@@ -1,4 +1,4 @@
-"""The streamed chunks' encoding (runtime/sse.py): a token chunk from its template is exactly
+"""The streamed chunks' encoding (runtime/entrypoints/sse.py): a token chunk from its template is exactly
 the event the whole payload encodes to, for any text."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from property_examples import examples
 
-from tokenlane.runtime.sse import TextEventTemplate, sse_event
+from tokenlane.runtime.entrypoints.sse import TextEventTemplate, sse_event
 
 SLOT = TextEventTemplate.TEXT_SLOT
 

@@ -1,4 +1,4 @@
-"""EventStreamResponse on its own (runtime/sse.py): the ASGI `send`/`receive` are test doubles,
+"""EventStreamResponse on its own (runtime/entrypoints/sse.py): the ASGI `send`/`receive` are test doubles,
 so each case controls exactly which write stalls and for how long.
 
 The idle timeout bounds a write (a consumer that stopped reading), not the wait for the next
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tokenlane.runtime.sse import EventStreamResponse
+from tokenlane.runtime.entrypoints.sse import EventStreamResponse
 
 TIMEOUT_S = 0.05
 

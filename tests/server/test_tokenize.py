@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tokenlane.runtime.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from tokenlane.runtime.engine.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ class FakeMetrics:
         self.calls: list[tuple] = []
 
     async def __call__(self, url, model, window_s, lanes, *, namespace=None):
-        from tokenlane.operator.tuner_types import MetricSample
+        from tokenlane.operator.api.tuning_types import MetricSample
 
         self.calls.append((url, model, window_s, tuple(lanes), namespace))
         if self.sample is None:
@@ -42,7 +42,7 @@ class FakeMetrics:
 @pytest.fixture
 async def guarded_cluster(kmock):
     """kopf (operator handlers + the tuning timer) against kmock, with a fake clock and metrics."""
-    from tokenlane.operator import tuning
+    from tokenlane.operator.controllers import tuning
 
     clock, metrics = FakeClock(), FakeMetrics()
 

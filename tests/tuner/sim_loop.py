@@ -1,12 +1,12 @@
 """Traffic for the tuner's closed-loop test; the loop itself is the package's
-(runtime/bench/tuned_sim.py, shared with `tokenlane plan`)."""
+(bench/tuned_sim.py, shared with `tokenlane plan`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from tokenlane.runtime.bench.trace import PlannedRequest
-from tokenlane.runtime.bench.tuned_sim import OK_STATUSES, LoopResult, is_refused, run
+from tokenlane.bench.trace import PlannedRequest
+from tokenlane.bench.tuned_sim import OK_STATUSES, LoopResult, is_refused, run
 
 __all__ = ["OK_STATUSES", "LoopResult", "flood_traffic", "run", "refused_share"]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from tuner_helpers import SETTINGS, budgets, lanes
 
-from tokenlane.operator.prometheus import Series, refused, sample_from_results
-from tokenlane.operator.tuner import decide, lane_slo, objective
-from tokenlane.operator.tuner_types import ADJUST, HOLD, Bounds, LaneMetrics, LaneTarget, MetricSample
+from tokenlane.operator.clients.prometheus import Series, refused, sample_from_results
+from tokenlane.operator.policy.tuner import decide, lane_slo, objective
+from tokenlane.operator.api.tuning_types import ADJUST, HOLD, Bounds, LaneMetrics, LaneTarget, MetricSample
 from tokenlane.runtime.config import DEFAULT_MAX_REFUSED_SHARE, ConfigError, SLOConfig, loads_config
 
 NOW = 10_000.0

@@ -13,7 +13,7 @@ import pytest
 from sim_loop import OK_STATUSES, flood_traffic, run
 from tuner_helpers import lane_targets
 
-from tokenlane.operator.tuner_types import Bounds, TunerSettings
+from tokenlane.operator.api.tuning_types import Bounds, TunerSettings
 from tokenlane.runtime.config import loads_config
 
 CONFIG = """

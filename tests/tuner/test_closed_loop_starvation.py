@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from sim_loop import flood_traffic, refused_share, run
 
-from tokenlane.operator.tuner_types import Bounds, TunerSettings
-from tokenlane.runtime.bench.tuned_sim import lane_targets
+from tokenlane.operator.api.tuning_types import Bounds, TunerSettings
+from tokenlane.bench.tuned_sim import lane_targets
 from tokenlane.runtime.config import DEFAULT_MAX_REFUSED_SHARE, loads_config
 
 CONFIG = """

@@ -1,6 +1,6 @@
 """Property tests of the rollout guard's baseline over any interleaving of tuner probes,
-reverts, spec changes and rollbacks (operator/rollout.py with the tuner's no-decision rule of
-operator/tuning.py).
+reverts, spec changes and rollbacks (operator/policy/rollout.py with the tuner's no-decision rule of
+operator/controllers/tuning.py).
 
 A small model of the operator drives the real guard (`rollout.evaluate`) and the real rule
 for when the tuner may act (`tuning.no_decision_reason`, with `status.tuning.inForce` kept by
@@ -26,9 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from property_examples import examples
 
-from tokenlane.operator import rollout, tuning
-from tokenlane.operator.rollout import PodReadiness, RolloutPolicy, RolloutState, baseline_from, evaluate
-from tokenlane.operator.tuner_types import LaneMetrics, LaneTarget, MetricSample
+from tokenlane.operator.policy import rollout
+from tokenlane.operator.controllers import tuning
+from tokenlane.operator.policy.rollout import PodReadiness, RolloutPolicy, RolloutState, baseline_from, evaluate
+from tokenlane.operator.api.tuning_types import LaneMetrics, LaneTarget, MetricSample
 
 INTERVAL = 60.0  # spec.tuning.interval
 WINDOW = 120.0  # the metrics window (= the verification window here)

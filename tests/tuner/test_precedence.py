@@ -1,11 +1,11 @@
-"""A user's edit of a knob wins over the tuner's override of it (operator/precedence.py)."""
+"""A user's edit of a knob wins over the tuner's override of it (operator/desired/precedence.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenlane.operator import precedence
-from tokenlane.operator.tuner_types import EffectiveBudgets
+from tokenlane.operator.desired import precedence
+from tokenlane.operator.api.tuning_types import EffectiveBudgets
 
 # The tuner learned interactive.maxActiveSequences 12 and batch.maxBatchedTokens 384 against a
 # spec of 8 and 512, and kvCacheHighWatermark 0.86 against 0.9; the fallback's key has no learnedFrom.

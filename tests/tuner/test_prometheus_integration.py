@@ -23,10 +23,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tuner_helpers import apply_budgets, lane_targets
 
-from tokenlane.operator.prometheus import PrometheusClient, queries
-from tokenlane.operator.tuning import read_prometheus
-from tokenlane.operator.tuner import decide
-from tokenlane.operator.tuner_types import ADJUST, Bounds, EffectiveBudgets, TunerSettings
+from tokenlane.operator.clients.prometheus import PrometheusClient, queries
+from tokenlane.operator.controllers.tuning import read_prometheus
+from tokenlane.operator.policy.tuner import decide
+from tokenlane.operator.api.tuning_types import ADJUST, Bounds, EffectiveBudgets, TunerSettings
 from tokenlane.runtime.config import dumps_config, load_config
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -173,7 +173,7 @@ def test_tuner_reads_prometheus_changes_a_budget_and_the_runtime_reloads_it(stac
     # Wait until Prometheus has scraped the traffic (rate() needs two samples in the window).
     deadline = time.monotonic() + 60
     while True:
-        # What the operator's timer calls (operator/tuning.py): model and namespace select the series.
+        # What the operator's timer calls (operator/controllers/tuning.py): model and namespace select the series.
         sample = asyncio.run(read_prometheus(prom_url, "tiny", WINDOW_S, ["interactive", "batch"], namespace="ml"))
         assert sample.available, sample.error
         inter = sample.lanes["interactive"]
@@ -227,7 +227,7 @@ def test_bad_promql_is_reported_not_raised(stack):
     client = PrometheusClient(stack["prom"], timeout_s=5)
 
     async def go():
-        from tokenlane.operator.prometheus import PrometheusError
+        from tokenlane.operator.clients.prometheus import PrometheusError
 
         with pytest.raises(PrometheusError, match="bad_data"):
             await client.query("sum by (lane (")
@@ -241,8 +241,8 @@ def test_a_batch_of_queries_shares_one_client(stack, monkeypatch):
     bad query in the batch fails the batch."""
     import httpx
 
-    from tokenlane.operator import prometheus
-    from tokenlane.operator.prometheus import PrometheusError
+    from tokenlane.operator.clients import prometheus
+    from tokenlane.operator.clients.prometheus import PrometheusError
 
     opened = []
 

@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from test_rollback_kmock import NS, advance, events, runtime_yaml, sample, start_stable, wait, _samples
 
-from tokenlane.operator import dumps
+from tokenlane.operator.clients import dumps
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,8 +14,8 @@ import dataclasses
 import pytest
 import yaml
 
-from tokenlane.operator import k8s
-from tokenlane.operator.tuner_types import LaneMetrics, MetricSample
+from tokenlane.operator.clients import kube as k8s
+from tokenlane.operator.api.tuning_types import LaneMetrics, MetricSample
 from tokenlane.runtime.config import loads_config
 
 NS = "tokenlane-demo"
@@ -158,7 +158,7 @@ async def test_revision_whose_pods_never_become_ready_is_rolled_back(guarded_clu
     assert runtime_yaml(cluster).model.max_model_len == 1024
     assert cluster.obj("modelservices", "tiny")["spec"]["model"]["maxModelLen"] == 512
     # The operator's own reconcile (timer, resume, lane change) keeps the LKG in force.
-    from tokenlane.operator.handlers import reconcile_model_service
+    from tokenlane.operator.controllers.handlers import reconcile_model_service
 
     await reconcile_model_service(cluster.op, NS, "tiny")
     assert restart_hash(cluster) == good_hash
@@ -280,7 +280,7 @@ async def test_holding_writes_nothing(guarded_cluster):
         cluster.metrics.sample = sample(ttft_ms=300 + 10 * step)
         await advance(cluster)
     assert writes(cluster)[len(before):] == []
-    from tokenlane.operator import metrics
+    from tokenlane.operator.controllers import metrics
 
     runs = metrics.TUNING_RUNS.labels(namespace=NS, modelservice="tiny", outcome="hold")._value.get()
     assert runs >= 5

@@ -1,11 +1,11 @@
-"""Unit tests of the pure rollout guard (operator/rollout.py)."""
+"""Unit tests of the pure rollout guard (operator/policy/rollout.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenlane.operator import rollout
-from tokenlane.operator.rollout import (
+from tokenlane.operator.policy import rollout
+from tokenlane.operator.policy.rollout import (
     FallbackProfile,
     LaneBaseline,
     PodReadiness,
@@ -15,7 +15,7 @@ from tokenlane.operator.rollout import (
     parse_duration,
     revision_of,
 )
-from tokenlane.operator.tuner_types import LaneMetrics, LaneTarget, MetricSample
+from tokenlane.operator.api.tuning_types import LaneMetrics, LaneTarget, MetricSample
 
 LANES = [LaneTarget("interactive", "interactive", 100, ttft_p95_ms=500, tpot_p95_ms=60),
          LaneTarget("batch", "batch", 10)]

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import kopf
 import pytest
 
-from tokenlane.operator import main, scaling, tuning
+from tokenlane.operator import main
+from tokenlane.operator.controllers import scaling, tuning
 
 
 def timer_intervals(registry) -> dict[str, tuple[float, float]]:

@@ -1,12 +1,12 @@
-"""Table-driven tests of the tuner's decision function (operator/tuner.py)."""
+"""Table-driven tests of the tuner's decision function (operator/policy/tuner.py)."""
 
 from __future__ import annotations
 
 import pytest
 from tuner_helpers import SETTINGS, budgets, lanes, sample
 
-from tokenlane.operator.tuner import decide
-from tokenlane.operator.tuner_types import (
+from tokenlane.operator.policy.tuner import decide
+from tokenlane.operator.api.tuning_types import (
     ADJUST,
     HOLD,
     PROBE,

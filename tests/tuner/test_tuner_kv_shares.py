@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from tuner_helpers import BATCH_BOUNDS, INTERACTIVE_BOUNDS, SETTINGS, budgets, lanes, sample
 
-from tokenlane.operator.tuner import decide
-from tokenlane.operator.tuner_types import ADJUST, HOLD, PROBE, Bounds, EffectiveBudgets
+from tokenlane.operator.policy.tuner import decide
+from tokenlane.operator.api.tuning_types import ADJUST, HOLD, PROBE, Bounds, EffectiveBudgets
 
 NOW = 10_000.0
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from property_examples import examples
 from tuner_helpers import SETTINGS, Plant, budgets, lanes
 
-from tokenlane.operator.tuner import decide
-from tokenlane.operator.tuner_types import (
+from tokenlane.operator.policy.tuner import decide
+from tokenlane.operator.api.tuning_types import (
     GLOBAL,
     REVERT,
     EffectiveBudgets,

@@ -1,4 +1,4 @@
-"""The pure helpers of operator/tuning.py: bounds from the CRDs, overrides, merge patches."""
+"""The pure helpers of operator/controllers/tuning.py: bounds from the CRDs, overrides, merge patches."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from pathlib import Path
 
 import yaml
 
-from tokenlane.operator import builders, rollout, tuning
-from tokenlane.operator.model import parse_model_service, parse_serving_lane
-from tokenlane.operator.tuner_types import Bounds, EffectiveBudgets
+from tokenlane.operator.desired import builders
+from tokenlane.operator.policy import rollout
+from tokenlane.operator.controllers import tuning
+from tokenlane.operator.api.resources import parse_model_service, parse_serving_lane
+from tokenlane.operator.api.tuning_types import Bounds, EffectiveBudgets
 
 SAMPLES = Path(__file__).parents[2] / "manifests" / "samples" / "tiny-cpu.yaml"
 
@@ -90,7 +92,7 @@ def test_spec_revision_ignores_status_overrides_and_replicas():
 async def test_read_prometheus_selects_the_namespace(monkeypatch):
     """Two ModelServices serving the same model name in different namespaces must not mix: every
     PromQL query of the tuner matches the ModelService's namespace as well as the model."""
-    from tokenlane.operator.prometheus import PrometheusClient
+    from tokenlane.operator.clients.prometheus import PrometheusClient
 
     asked: list[str] = []
 

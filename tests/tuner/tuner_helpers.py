@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenlane.operator.tuner_types import (
+from tokenlane.operator.api.tuning_types import (
     Bounds,
     EffectiveBudgets,
     LaneMetrics,
@@ -120,8 +120,8 @@ class Plant:
 
 # --------------------------------------------------------------------------- runtime.yaml adapters
 # The real-Prometheus test and the closed-loop simulation run the tuner against a runtime's
-# own config, the way the operator runs it against a ModelService (operator/tuning.py).
+# own config, the way the operator runs it against a ModelService (operator/controllers/tuning.py).
 
 
-# Both live in the package, shared with `tokenlane plan` (runtime/bench/tuned_sim.py).
-from tokenlane.runtime.bench.tuned_sim import apply_budgets, lane_targets  # noqa: E402,F401  (re-exported)
+# Both live in the package, shared with `tokenlane plan` (bench/tuned_sim.py).
+from tokenlane.bench.tuned_sim import apply_budgets, lane_targets  # noqa: E402,F401  (re-exported)

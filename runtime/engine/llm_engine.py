@@ -1,0 +1,762 @@
+"""The synchronous engine: admission, the step loop, and output processing.
+
+    def step(self):
+        self._apply_staged()                       # new requests, aborts, config reload
+        plan = self.scheduler.schedule()           # who runs how many tokens
+        output = self._execute(plan)               # model (or simulated) step
+        got_token = self.scheduler.update_from_output(plan, output)
+        outputs = self._outputs(got_token)         # text, stop strings, finished requests
+        self._report_step(plan, output, schedule_seconds)  # step stats to the observers
+        return outputs
+
+`add_request`, `abort_request` and `reload_config` only stage their change (under a small
+lock) so the asyncio front may call them while a step runs in its worker thread; the change
+takes effect at the next step boundary. Admission checks run at once, in `add_request`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from tokenlane.runtime.core.admission import (
+    AdmissionError,
+    AdmissionLimits,
+    StepTimeEstimator,
+    check_load,
+    check_request_shape,
+    check_tenant_rate,
+)
+from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.core.step_plan import Executor, ExecutorOutput, StepPlan
+from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus, TokenLogprob
+from tokenlane.runtime.core.scheduler import Scheduler
+from tokenlane.runtime.core.tenant_limits import TenantRateLimiter
+from tokenlane.runtime.core.stats import EngineObserver, LaneStepStats, StepStats
+
+log = logging.getLogger(__name__)
+
+# This many steps in a row in which the executor failed for every request (each also run
+# alone) mean the executor is broken: raise (the loop goes unhealthy).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+# finish_detail (and metrics reason) of the requests of a step that ran out of accelerator memory.
+OOM_REASON = "oom"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's out-of-memory error (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError is
+    the same class). torch is not imported for it: an executor that raises it loaded torch."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    return oom is not None and isinstance(exc, oom)
+
+
+def release_cached_accelerator_memory() -> None:
+    """Give torch's cached CUDA blocks back after an OOM (best effort), so the next step
+    starts from what is really in use."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        log.debug("emptying the CUDA cache after an OOM failed", exc_info=True)
+
+
+def restart_field_changes(before: RuntimeConfig, after: RuntimeConfig) -> list[str]:
+    """The restart-only fields that differ between two configs, as sorted "section.key"
+    names (empty: `after` can be hot-reloaded)."""
+    old, new = before.restart_fields(), after.restart_fields()
+    return sorted(
+        f"{section}.{key}"
+        for section in old.keys() | new.keys()
+        for key in old.get(section, {}).keys() | new.get(section, {}).keys()
+        if old.get(section, {}).get(key) != new.get(section, {}).get(key)
+    )
+
+
+class RestartRequired(ValueError):
+    """A config whose model or engine fields changed: only a restart can apply it."""
+
+    def __init__(self, changed: list[str]) -> None:
+        self.changed = changed
+        sections = sorted({name.split(".", 1)[0] for name in changed})
+        super().__init__(f"{'/'.join(sections)} fields changed and need a restart ({', '.join(changed)})")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    lane: str
+    new_token_ids: list[int]
+    new_text: str  # incremental detokenized text ("" without tokenizer)
+    finished: bool
+    finish_reason: Optional[FinishReason]
+    finish_detail: str  # e.g. "queue_timeout", "stop_string", "eos", rejection reason
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    # Logprobs of new_token_ids (one each), when the request asked for logprobs.
+    new_logprobs: Optional[list[TokenLogprob]] = None
+    # Every prompt token's logprob (entry 0 None), on the request's first output only, when
+    # it asked for prompt logprobs.
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # When the request was first scheduled (engine clock), for a front that holds only a
+    # copy of the request (the engine core process's API side: X-Queue-Delay-Ms).
+    scheduled_at: Optional[float] = None
+
+
+class _TextState:
+    """One request's streamed text: incremental detokenizer plus stop-string hold-back.
+
+    Text that could be the start of a stop string is held back until it is clear either
+    way, so a client never receives part of a stop string."""
+
+    def __init__(self, tokenizer: Any, request: Request) -> None:
+        from tokenlane.runtime.engine.tokenizer import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self.stop = [s for s in request.sampling_params.stop if s]
+        # Per stop string: its KMP failure table and how many of its leading characters
+        # the text ends with now, so the hold-back costs O(new characters), not
+        # O(len(stop string)**2) per token (long stop strings would stall the step loop).
+        self.fail = [_kmp_failure(s) for s in self.stop]
+        self.matched = [0] * len(self.stop)
+        self.text = ""  # all decoded output text
+        self.sent = 0  # characters of `text` already emitted
+
+    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+        """(text to emit now, True if a stop string ended the request)."""
+        delta = self.detok.add_tokens(token_ids)
+        self.text += delta
+        if not self.stop:  # nothing is ever held back
+            self.sent = len(self.text)
+            return delta, False
+        from tokenlane.runtime.engine.tokenizer import find_stop_string
+
+        found = find_stop_string(self.text, self.stop, len(delta))
+        if found is not None:
+            self.text = self.text[: found[0]]
+            return self._emit(len(self.text)), True
+        hold = 0
+        matched = self.matched
+        for j, s in enumerate(self.stop):
+            q, fail = matched[j], self.fail[j]
+            for ch in delta:
+                while q and s[q] != ch:
+                    q = fail[q - 1]
+                if s[q] == ch:
+                    q += 1
+                    if q == len(s):  # not reached: find_stop_string saw no match
+                        q = fail[q - 1]
+            matched[j] = q
+            if q > hold:
+                hold = q
+        return self._emit(len(self.text) - hold), False
+
+    def finish(self) -> str:
+        """Everything still held back (the request ended without a stop string)."""
+        self.text += self.detok.flush()
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent : upto]
+        self.sent = upto
+        return out
+
+
+def _kmp_failure(s: str) -> list[int]:
+    """fail[i]: length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        executor: Executor,
+        tokenizer: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        if tokenizer is not None:
+            from tokenlane.runtime.engine.tokenizer import byte_level_table
+
+            byte_level_table(tokenizer)  # built here, not by the step loop's first request
+        self.clock = clock
+        self.max_model_len: int = self._max_model_len(config)
+        self.scheduler = Scheduler(
+            config,
+            executor.num_kv_blocks,
+            executor.block_size,
+            max_model_len=self.max_model_len,
+            clock=clock,
+        )
+        self.limits = AdmissionLimits(self.max_model_len, executor.num_kv_blocks, executor.block_size,
+                                      self.vocab_size)
+        self.estimator = StepTimeEstimator()
+        self.tenant_limits = TenantRateLimiter(config.tenants, clock())
+        self._set_tenant_weights(config)
+        self.observers: list[EngineObserver] = []
+        self._lock = threading.Lock()  # guards the staged changes below
+        self._staged: list[Request] = []
+        self._staged_ids: set[str] = set()
+        self._staged_per_lane: dict[str, int] = {}
+        self._aborts: list[tuple[str, RequestStatus, str, float]] = []
+        # request_id -> when its cancel was asked for (engine clock), until its blocks are free.
+        self._cancelled_at: dict[str, float] = {}
+        # Engine clock when the step learned of the ends it handles: its start, then the
+        # return of its execution (a finish by the last token, an executor error).
+        self._ends_known_at = 0.0
+        self._kv_releases: list[tuple[str, float]] = []  # (lane, seconds) of this step
+        self._oom_events = 0  # of this step
+        self._pending_config: Optional[RuntimeConfig] = None
+        self._text: dict[str, _TextState] = {}
+        self._failures = 0
+        self._prefix_counters = (0, 0)
+        self._queued_since_step: dict[str, int] = {}  # lane -> requests queued since the last step
+        self.last_step_tokens = 0  # tokens the last step ran (0: nothing was runnable)
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """The executor's vocabulary size (None if it has no vocabulary to check ids against)."""
+        return getattr(self.executor, "vocab_size", None)
+
+    @property
+    def supports_logprobs(self) -> bool:
+        return bool(getattr(self.executor, "supports_logprobs", False))
+
+    def _max_model_len(self, config: RuntimeConfig) -> int:
+        """The smallest of the model's, the config's and the executor's length limits."""
+        limits = [
+            v
+            for v in (
+                config.model.max_model_len,
+                config.scheduler.max_model_len,  # hot-reloadable
+                getattr(self.executor, "max_model_len", None),
+            )
+            if v
+        ]
+        if not limits:
+            raise ValueError("no model length known: set model.maxModelLen")
+        return min(limits)
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig, clock: Callable[[], float] = time.monotonic) -> "LLMEngine":
+        if config.engine.executor == "simulated":
+            from tokenlane.runtime.executor.simulated import SimulatedExecutor
+
+            return cls(config, SimulatedExecutor(config), tokenizer=None, clock=clock)
+        from tokenlane.runtime.executor.model_executor import ModelExecutor
+        from tokenlane.runtime.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
+        return cls(config, ModelExecutor(config), tokenizer=tokenizer, clock=clock)
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, request: Request) -> None:
+        """Admit a request (raises AdmissionError with status and reason) and queue it for
+        the next step. Fills in the lane (the default lane for "default") and EOS id."""
+        try:
+            self._admit(request)
+        except AdmissionError as exc:
+            self.record_rejection(request, exc)
+            raise
+
+    def add_group(self, requests: list[Request]) -> None:
+        """Admit the sequences of one prompt sampled in parallel (n > 1, best_of: a
+        SequenceGroup, leader first), all or none. Admission counts every sequence: the KV
+        pool must hold the prompt once plus each sequence's own blocks, and n must fit
+        maxActiveSequences (globally and in the lane)."""
+        group = requests[0].group
+        assert group is not None and len(group.members) == len(requests) and all(
+            a is b for a, b in zip(group.members, requests)
+        ), "add_group takes one whole group, leader first"
+        try:
+            self._admit(requests[0], followers=requests[1:])
+        except AdmissionError as exc:
+            for request in requests:
+                self.record_rejection(request, exc)
+            raise
+
+    def record_rejection(self, request: Request, error: AdmissionError) -> None:
+        """Finish a refused request as rejected and tell the observers (metrics count every
+        rejection, also those the async front makes: draining, engine down)."""
+        request.finish(RequestStatus.FINISHED_REJECTED, error.reason, now=self.clock())
+        self._notify_finished(request)
+
+    def _admit(self, request: Request, followers: Sequence[Request] = ()) -> None:
+        if request.eos_token_id is None:
+            request.eos_token_id = getattr(self.executor, "eos_token_id", None)
+        check_request_shape(request, self.limits)
+        if followers:
+            self._check_group_shape(request, len(followers) + 1)
+        scheduler = self.scheduler
+        with self._lock:  # config and lanes change only under it (at the step boundary)
+            config = self.config
+            if request.lane not in scheduler.lanes:
+                if request.lane != "default":
+                    names = [lane.name for lane in config.lanes]
+                    raise AdmissionError(400, "invalid", f"unknown lane {request.lane!r}; lanes: {names}")
+                request.lane = config.default_lane.name
+            budgets = config.lane_budgets(request.lane)
+            rid = request.request_id
+            if rid in self._staged_ids or rid in scheduler.requests:
+                raise AdmissionError(400, "invalid", f"request id {rid!r} is already in use")
+            if followers:
+                self._check_group_load(request, len(followers) + 1, config, budgets)
+            if scheduler.quotas.active and scheduler.exceeds_lane_capacity(request):
+                raise AdmissionError(
+                    400, "too_long", f"prompt + max_tokens needs more KV blocks than lane {request.lane!r} may "
+                    f"ever hold ({scheduler.lane_kv_capacity(request.lane)} blocks: its maxKvCacheShare, less "
+                    "the other lanes' kvCacheReserved); lower max_tokens or shorten the prompt")
+            # The tenant's own limit first: a tenant over its rate is told so, with the wait its
+            # bucket needs, even when the queue is full as well (a queue slot alone would not do).
+            now = self.clock()
+            check_tenant_rate(request, self.tenant_limits, now)
+            check_load(
+                request,
+                waiting_total=scheduler.num_waiting + len(self._staged),
+                waiting_in_lane=scheduler.num_waiting_in(request.lane)
+                + self._staged_per_lane.get(request.lane, 0),
+                max_waiting_total=config.scheduler.max_waiting_requests,
+                max_waiting_lane=budgets.max_waiting_requests,
+                kv_usage=scheduler.lane_kv_usage(request.lane),
+                kv_reject_watermark=config.scheduler.kv_cache_reject_watermark,
+                estimator=self.estimator,
+                now=now,
+            )
+            self.tenant_limits.charge(request.tenant, request.num_prompt_tokens, now)  # once per group
+            request.status = RequestStatus.WAITING
+            self._staged.append(request)
+            self._staged_ids.add(rid)
+            self._staged_per_lane[request.lane] = self._staged_per_lane.get(request.lane, 0) + 1
+            for follower in followers:  # the leader's lane; they wait for its prompt
+                follower.lane = request.lane
+                follower.eos_token_id = request.eos_token_id
+                follower.status = RequestStatus.WAITING
+                self._staged.append(follower)
+                self._staged_ids.add(follower.request_id)
+
+    def _check_group_shape(self, leader: Request, size: int) -> None:
+        """400 `too_long` when the pool cannot hold a parallel-sampling group at full length:
+        the prompt's full blocks once (shared), and per sequence the rest of its context."""
+        bs = self.limits.block_size
+        shared = (leader.num_prompt_tokens - 1) // bs
+        own = -(-(leader.num_prompt_tokens + leader.sampling_params.max_tokens) // bs) - shared
+        blocks = shared + size * own
+        if blocks > self.limits.kv_blocks_total:
+            raise AdmissionError(
+                400, "too_long",
+                f"{size} sequences of this prompt need {blocks} KV cache blocks ({shared} shared "
+                f"prompt blocks + {size} x {own}) but the cache has only {self.limits.kv_blocks_total}",
+            )
+
+    def _check_group_load(self, leader: Request, size: int, config: RuntimeConfig, budgets) -> None:
+        """400 when n sequences can never run together under maxActiveSequences; duplicate ids."""
+        cap = min(config.scheduler.max_active_sequences, budgets.max_active_sequences)
+        if size > cap:
+            raise AdmissionError(
+                400, "invalid",
+                f"{size} parallel sequences exceed maxActiveSequences ({cap}) of lane {leader.lane!r}",
+            )
+        for follower in leader.group.members[1:]:
+            rid = follower.request_id
+            if rid in self._staged_ids or rid in self.scheduler.requests:
+                raise AdmissionError(400, "invalid", f"request id {rid!r} is already in use")
+
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_CANCELLED, detail: str = ""
+    ) -> None:
+        """End a request in any state at the next step boundary (its blocks are freed there)."""
+        assert status.is_finished, status
+        with self._lock:
+            self._aborts.append((request_id, status, detail or "cancelled", self.clock()))
+
+    def reload_config(self, new: RuntimeConfig) -> None:
+        """Stage a new config (budgets, lanes, tenants) for the next step boundary.
+        RestartRequired (a ValueError) if a restart-only (model/engine) field differs."""
+        if not isinstance(new, RuntimeConfig):
+            raise ValueError(f"expected a RuntimeConfig, got {type(new).__name__}")
+        changed = restart_field_changes(self.config, new)
+        if changed:
+            error = RestartRequired(changed)
+            for observer in self.observers:
+                observer.on_config_applied(new, False, str(error))
+            raise error
+        with self._lock:
+            self._pending_config = new
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self.observers.append(observer)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.requests or self._staged or self._aborts)
+
+    def has_pending_work(self) -> bool:
+        """Anything for `step()` to do: requests, or a staged config reload."""
+        return self.has_unfinished_requests() or self._pending_config is not None
+
+    # ------------------------------------------------------------------ the step
+
+    def pin_step_thread(self) -> None:
+        """A step loop's thread of its own calls this before its first step: engine.cpuBind
+        pins that thread's compute threads (runtime/executor/cpu_placement.py). Offline callers that
+        step from their own thread are left alone."""
+        pin = getattr(self.executor, "pin_step_thread", None)
+        if pin is not None:
+            pin()
+
+    def step(self) -> list[RequestOutput]:
+        self._ends_known_at = self.clock()
+        self._apply_staged()
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        output = self._execute(plan)
+        t2 = time.perf_counter()
+        self._ends_known_at = self.clock()
+        got_token = self.scheduler.update_from_output(plan, output)
+        self._charge_output_tokens(got_token)
+        schedule_seconds = (t1 - t0) + (time.perf_counter() - t2)
+        outputs = self._outputs(got_token)
+        self.last_step_tokens = plan.num_batched_tokens
+        self._report_step(plan, output, schedule_seconds)
+        return outputs
+
+    def _apply_staged(self) -> None:
+        """Config reload, then new requests, then aborts (an abort of a request submitted in
+        the same interval finds it). Under the lock: a concurrent add_request sees each
+        request either staged or queued, never neither (duplicate ids, queue limits)."""
+        scheduler = self.scheduler
+        with self._lock:
+            config, self._pending_config = self._pending_config, None
+            if config is not None:
+                scheduler.apply_config(config)
+                self.config = config
+                self.tenant_limits.configure(config.tenants, self.clock())
+                self._set_tenant_weights(config)
+                self.max_model_len = scheduler.max_model_len = self._max_model_len(config)
+                self.limits = dataclasses.replace(self.limits, max_model_len=self.max_model_len)
+            queued = self._queued_since_step
+            for request in self._staged:
+                if request.lane not in scheduler.lanes:  # its lane went away in a reload
+                    request.lane = self.config.default_lane.name
+                scheduler.add_request(request)
+                queued[request.lane] = queued.get(request.lane, 0) + 1
+            self._staged = []
+            self._staged_ids.clear()
+            self._staged_per_lane.clear()
+            aborts, self._aborts = self._aborts, []
+        if config is not None:
+            for observer in self.observers:
+                observer.on_config_applied(config, True, "applied at step boundary")
+        for request_id, status, detail, asked_at in aborts:
+            request = scheduler.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._cancelled_at[request_id] = asked_at
+                scheduler.finish_request(request, status, detail)
+
+    def _set_tenant_weights(self, config: RuntimeConfig) -> None:
+        weights = {tenant.name: tenant.fair_share_weight for tenant in config.tenants}
+        for lane in self.scheduler.lanes.values():
+            lane.set_tenant_weights(weights)
+
+    def _charge_output_tokens(self, got_token: list[Request]) -> None:
+        """Output tokens count against their tenant's rate limit and fair share as produced."""
+        now = self.clock()
+        lanes, limits = self.scheduler.lanes, self.tenant_limits
+        for request in got_token:
+            limits.charge(request.tenant, 1, now)
+            lane = lanes.get(request.lane)
+            if lane is not None:
+                lane.charge_tenant(request.tenant, 1)
+
+    def _execute(self, plan: StepPlan) -> ExecutorOutput:
+        if not plan.chunks:
+            return ExecutorOutput()
+        try:
+            output = self.executor.execute(plan)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                return self._fail_out_of_memory(plan, exc)
+            log.exception("executor step of %d chunks failed", len(plan.chunks))
+            return self._execute_isolating(plan, exc)
+        self._failures = 0
+        return output
+
+    def _fail_out_of_memory(self, plan: StepPlan, exc: Exception) -> ExecutorOutput:
+        """The step ran out of accelerator memory: its requests end as errors (reason "oom",
+        a 500 to their clients), their blocks go back to the pool, and the loop goes on with
+        the other requests. Not re-run in halves as other failures are: a re-run would most
+        likely run out of memory again, and an OOM says nothing about a broken executor."""
+        self._oom_events += 1
+        log.error("out of accelerator memory in a step of %d chunks (%d tokens); failing its requests: %s",
+                  len(plan.chunks), plan.num_batched_tokens, exc)
+        release_cached_accelerator_memory()
+        return ExecutorOutput(errors={chunk.request.request_id: OOM_REASON for chunk in plan.chunks})
+
+    def _execute_isolating(self, plan: StepPlan, exc: Exception) -> ExecutorOutput:
+        """Re-run a failed step in halves until the failing chunks stand alone: they end as
+        errors, every other request keeps its token. Chunks of one step are independent
+        (each reads only K/V computed in earlier steps), and re-writing a chunk's K/V
+        writes the same values, so re-running is safe.
+
+        A step in which nothing succeeded counts toward MAX_CONSECUTIVE_STEP_FAILURES (any
+        success resets the count); at that many in a row the executor is broken and the error
+        propagates (the loop goes unhealthy). So a bad request never fails another request,
+        and while other requests run it never counts against the engine. Only failing
+        requests that are each alone in three consecutive steps look like a broken executor
+        (inputs are validated so that none can make the executor raise)."""
+        output = ExecutorOutput()
+        failed_alone: dict[str, str] = {}
+        succeeded = False
+        if len(plan.chunks) == 1:  # already alone
+            failed_alone[plan.chunks[0].request.request_id] = f"executor error: {exc}"
+            pending = []
+        else:
+            pending = [plan.chunks[len(plan.chunks) // 2:], plan.chunks[: len(plan.chunks) // 2]]
+        # The first sub-step repeats the step's block copies and executor clean-up (both
+        # idempotent: a dst is only read past what its sequence has written) in case the
+        # failure came before them.
+        first = {"block_copies": plan.block_copies, "finished": plan.finished, "preempted": plan.preempted}
+        while pending:
+            chunks = pending.pop()
+            sub = StepPlan(chunks=chunks, num_batched_tokens=sum(c.num_tokens for c in chunks), **first)
+            first = {}
+            try:
+                part = self.executor.execute(sub)
+            except Exception as sub_exc:
+                exc = sub_exc
+                if len(chunks) == 1:
+                    failed_alone[chunks[0].request.request_id] = f"executor error: {sub_exc}"
+                else:
+                    half = len(chunks) // 2
+                    pending += [chunks[half:], chunks[:half]]
+                continue
+            succeeded = True
+            output.sampled.update(part.sampled)
+            output.logprobs.update(part.logprobs)
+            output.prompt_logprobs.update(part.prompt_logprobs)
+            output.errors.update(part.errors)
+            output.step_seconds += part.step_seconds
+        output.errors.update(failed_alone)
+        if succeeded:
+            self._failures = 0
+            return output
+        self._failures += 1
+        log.error("executor failed for every request of the step (%d steps in a row)", self._failures)
+        if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise exc
+        return output
+
+    def _outputs(self, got_token: list) -> list[RequestOutput]:
+        """RequestOutputs of this step: new tokens and text, then every final status."""
+        scheduler = self.scheduler
+        by_id: dict[str, RequestOutput] = {}
+        outputs: list[RequestOutput] = []
+        tokenizer = self.tokenizer
+        for request in got_token:
+            new_text = ""
+            if tokenizer is not None:
+                try:
+                    state = self._text.get(request.request_id)
+                    if state is None:
+                        state = self._text[request.request_id] = _TextState(tokenizer, request)
+                    new_text, stopped = state.add(request.output_token_ids[-1:])
+                except Exception as exc:  # this request's text only: it fails, the step goes on
+                    log.exception("detokenizing %s failed", request.request_id)
+                    self._text.pop(request.request_id, None)
+                    if not request.is_finished:
+                        scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, f"detokenizer error: {exc}")
+                    else:
+                        request.finish(RequestStatus.FINISHED_ERROR, f"detokenizer error: {exc}", now=request.finish_time)
+                    new_text, stopped = "", False
+                if stopped:
+                    if request.is_finished:  # finished by length in the same token
+                        request.finish(RequestStatus.FINISHED_STOPPED, "stop_string", now=request.finish_time)
+                    else:
+                        scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, "stop_string")
+            out = self._output(request, request.output_token_ids[-1:], new_text)
+            by_id[request.request_id] = out
+            outputs.append(out)
+        for request in scheduler.drain_finished():
+            self._time_kv_release(request)
+            state = self._text.pop(request.request_id, None)
+            tail = state.finish() if state is not None and request.finish_detail != "stop_string" else ""
+            out = by_id.get(request.request_id)
+            if out is None:
+                out = self._output(request, [], tail)
+                outputs.append(out)
+            else:
+                out.new_text += tail
+            out.finished = True
+            out.finish_reason = request.finish_reason
+            out.finish_detail = request.finish_detail
+            self._notify_finished(request)
+        return outputs
+
+    def _time_kv_release(self, request: Request) -> None:
+        """Record how long a finished request's blocks stayed taken after its end was known:
+        from the cancel call (an abort waits for the step boundary), from its deadline, or
+        from the end of the step that computed its last token. Only requests that held
+        blocks at the end (a waiting or preempted request holds none)."""
+        asked_at = self._cancelled_at.pop(request.request_id, None)
+        if request.num_computed_tokens <= 0 or request.finish_time is None:
+            return
+        if asked_at is not None:
+            start = asked_at
+        elif request.finish_detail == "deadline" and request.deadline is not None:
+            start = request.deadline
+        else:
+            start = self._ends_known_at
+        self._kv_releases.append((request.lane, max(0.0, request.finish_time - start)))
+
+    @staticmethod
+    def _output(request: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        params = request.sampling_params
+        new_logprobs = prompt_logprobs = None
+        if params.logprobs is not None:
+            new_logprobs = request.output_logprobs[len(request.output_logprobs) - len(new_ids):] if new_ids else []
+        if params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = list(request.prompt_logprobs)
+        return RequestOutput(
+            request_id=request.request_id,
+            lane=request.lane,
+            new_token_ids=new_ids,  # a fresh list from the caller
+            new_text=new_text,
+            finished=False,
+            finish_reason=None,
+            finish_detail="",
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            scheduled_at=request.first_scheduled_time,
+        )
+
+    # ------------------------------------------------------------------ observers
+
+    def _notify_finished(self, request: Request) -> None:
+        for observer in self.observers:
+            try:
+                observer.on_request_finished(request)
+            except Exception:
+                log.exception("observer %r failed", observer)
+
+    def _report_step(self, plan: StepPlan, output: ExecutorOutput, schedule_seconds: float) -> None:
+        prefill = plan.num_prefill_tokens
+        decode = plan.num_batched_tokens - prefill
+        self.estimator.observe(output.step_seconds, prefill, decode)
+        queued, self._queued_since_step = self._queued_since_step, {}
+        releases, self._kv_releases = self._kv_releases, []
+        oom_events, self._oom_events = self._oom_events, 0
+        if not self.observers:
+            return
+        stats = self.snapshot()
+        stats.kv_releases = releases
+        stats.oom_events = oom_events
+        stats.step_seconds = output.step_seconds
+        stats.schedule_seconds = schedule_seconds
+        stats.num_batched_tokens = plan.num_batched_tokens
+        stats.num_prefill_tokens = prefill
+        stats.num_decode_tokens = decode
+        stats.num_preemptions = len(plan.preempted)
+        kv = self.scheduler.kv
+        queries, hits = self._prefix_counters
+        stats.prefix_cache_queries = kv.prefix_queries - queries
+        stats.prefix_cache_hits = kv.prefix_hits - hits
+        self._prefix_counters = (kv.prefix_queries, kv.prefix_hits)
+        lanes = stats.lanes
+        # Plain dicts in the per-chunk loop (256+ chunks a step), LaneStepStats after it.
+        lane_prefill: dict[str, int] = {}
+        lane_decode: dict[str, int] = {}
+        prefill_get, decode_get = lane_prefill.get, lane_decode.get
+        for chunk in plan.chunks:
+            request = chunk.request
+            name = request.lane
+            if chunk.start < len(request.prompt_token_ids):  # as plan.num_prefill_tokens counts
+                lane_prefill[name] = prefill_get(name, 0) + chunk.num_tokens
+            else:
+                lane_decode[name] = decode_get(name, 0) + chunk.num_tokens
+        for name, tokens in lane_prefill.items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.prefill_tokens = tokens
+        for name, tokens in lane_decode.items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.decode_tokens = tokens
+        for lane in lanes.values():
+            lane.scheduled_tokens = lane.prefill_tokens + lane.decode_tokens
+        for request in plan.preempted:
+            lane = lanes.get(request.lane)
+            if lane is not None:
+                lane.preempted += 1
+        for name, count in queued.items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.queued = count
+        for name, count in self.scheduler.last_started.items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.started = count
+        for name, blocks in self.scheduler.kv_blocks_held().items():
+            lane = lanes.get(name)
+            if lane is not None:
+                lane.kv_blocks_held = blocks
+        if self.scheduler.sched.step_time_budget == "auto":
+            for name, lane in lanes.items():
+                lane.time_capped = self.scheduler.time_capped_last_step(name)
+        for observer in self.observers:
+            try:
+                observer.on_step(stats)
+            except Exception:
+                log.exception("observer %r failed", observer)
+
+    def snapshot(self) -> StepStats:
+        """Current KV and queue occupancy (no step numbers)."""
+        scheduler = self.scheduler
+        kv, quotas = scheduler.kv, scheduler.quotas
+        held = quotas.held
+        lanes = {
+            name: LaneStepStats(
+                running=lane.num_running,
+                waiting=scheduler.num_waiting_in(name),
+                kv_blocks_held=held.get(name, 0),  # the engine's step report recounts
+            )
+            for name, lane in scheduler.lanes.items()
+        }
+        with self._lock:
+            for request in self._staged:
+                if request.lane in lanes:
+                    lanes[request.lane].waiting += 1
+        return StepStats(
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_blocks_cached_free=kv.num_cached_free_blocks,
+            # Free blocks only lanes below their kvCacheReserved may take (O(lanes)).
+            kv_blocks_reserved=min(kv.num_free_blocks, sum(quotas.unmet(name) for name in quotas.reserve)),
+            kv_usage=kv.usage,
+            lanes=lanes,
+        )

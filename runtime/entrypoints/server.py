@@ -1,0 +1,237 @@
+"""`tokenlane serve`: the command line, and a uvicorn server that shuts down gracefully.
+
+The app itself is runtime/entrypoints/app.py. Shutdown on SIGTERM (or SIGINT) is graceful: /ready and
+new requests answer 503 with Retry-After at once, in-flight requests finish or are aborted
+when the grace period ends, then the process logs "shutdown complete" and exits 0. A second
+signal exits at once. SIGUSR1 writes a flight recorder dump (recorded steps, metrics, config
+in force) under --dump-dir and logs its path; serving goes on. Once served, the process ends
+without CPython's teardown (see `end_process`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import dataclasses
+import gc
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import uvicorn
+
+from tokenlane.runtime.entrypoints.app import ServerOptions, ServerState, create_app
+from tokenlane.runtime.config import (
+    ConfigError,
+    ModelConfig,
+    RuntimeConfig,
+    load_config,
+)
+from tokenlane.runtime.observability.flight_recorder import DEFAULT_CAPACITY, default_dump_dir
+
+log = logging.getLogger("tokenlane.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenlane serve",
+        description="Serve a model over the OpenAI API with per-lane continuous batching.",
+    )
+    p.add_argument("--config", help="runtime.yaml (see docs/configuration.md); watched for hot reloads")
+    p.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g = p.add_argument_group("config overrides (take precedence over the file)")
+    g.add_argument("--model", help="model.path: checkpoint folder")
+    g.add_argument("--served-model-name", help="model.servedName")
+    g.add_argument("--dtype", help="model.dtype")
+    g.add_argument("--max-model-len", type=int, help="model.maxModelLen")
+    g.add_argument("--kv-cache-blocks", type=int, help="engine.kvCacheBlocks")
+    g.add_argument("--block-size", type=int, help="engine.blockSize")
+    g.add_argument("--device", help="engine.device (auto|cpu|cuda)")
+    g.add_argument("--attention-backend", help="engine.attentionBackend (auto|torch|triton|native)")
+    g.add_argument("--executor", help="engine.executor (model|simulated)")
+    g.add_argument("--no-continuous-batching", action="store_true",
+                   help="engine.continuousBatching=false (request-level static batching)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="engine.enablePrefixCaching=false")
+    g.add_argument("--core-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine.coreProcess: the step loop in a process of its own, or not "
+                        "(default: the config's; unset there, where the server has a core to itself)")
+    g.add_argument("--cpu-bind", help="engine.cpuBind (auto|none|a CPU list such as 2-15): where the "
+                                      "compute threads are pinned")
+    p.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
+                   help="on SIGTERM, time in-flight requests get to finish (default 30)")
+    p.add_argument("--config-poll-seconds", type=float, default=1.0,
+                   help="how often the config file is checked for changes (default 1)")
+    p.add_argument("--flight-recorder-steps", type=int, default=DEFAULT_CAPACITY,
+                   help=f"engine steps the flight recorder keeps in memory, served at /debug/steps "
+                        f"(default {DEFAULT_CAPACITY}; 0: off)")
+    p.add_argument("--dump-dir", type=Path, default=None,
+                   help=f"where SIGUSR1 writes flight recorder dumps (default {default_dump_dir()})")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def apply_overrides(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
+    """The config with the command-line overrides applied (validated again)."""
+    model_changes = {
+        k: v for k, v in {
+            "path": args.model,
+            "served_name": args.served_model_name,
+            "dtype": args.dtype,
+            "max_model_len": args.max_model_len,
+        }.items() if v is not None
+    }
+    engine_changes = {
+        k: v for k, v in {
+            "kv_cache_blocks": args.kv_cache_blocks,
+            "block_size": args.block_size,
+            "device": args.device,
+            "attention_backend": args.attention_backend,
+            "executor": args.executor,
+            "cpu_bind": args.cpu_bind,
+        }.items() if v is not None
+    }
+    if args.no_continuous_batching:
+        engine_changes["continuous_batching"] = False
+    if args.no_prefix_caching:
+        engine_changes["enable_prefix_caching"] = False
+    if args.core_process is not None:
+        engine_changes["core_process"] = args.core_process
+    try:
+        model = dataclasses.replace(config.model, **model_changes)
+    except ConfigError as exc:
+        raise ConfigError(f"config.model.{exc}") from None
+    try:
+        engine = dataclasses.replace(config.engine, **engine_changes)
+    except ConfigError as exc:
+        raise ConfigError(f"config.engine.{exc}") from None
+    return dataclasses.replace(config, model=model, engine=engine)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before exiting: uvicorn's
+    own handling would close the listening socket at once (clients would see connection
+    refused, not a 503) and re-raise the signal (exit status -15 instead of 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._drain_requested = False
+        self._dumps: set[asyncio.Task] = set()  # running dump tasks (a reference keeps them alive)
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            self._loop.add_signal_handler(signal.SIGUSR1, self._dump_on_signal)
+        except (NotImplementedError, RuntimeError, ValueError):  # no Unix signals, or not the main thread
+            log.warning("SIGUSR1 dumps are not available here")
+        await super().startup(sockets=sockets)
+
+    def _dump_on_signal(self) -> None:
+        """SIGUSR1, on the event loop: the dump itself runs in a worker thread."""
+        task = self._loop.create_task(self.state.dump("SIGUSR1"), name="flight-recorder-dump")
+        self._dumps.add(task)
+        task.add_done_callback(self._dumps.discard)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drain_requested or self._loop is None:
+            return super().handle_exit(sig, frame)  # second signal, or not started: exit now
+        self._drain_requested = True
+        self._loop.call_soon_threadsafe(self._drain_then_exit)
+
+    def _drain_then_exit(self) -> None:
+        log.info("shutdown signal: draining")
+        task = self.state.begin_drain()
+        task.add_done_callback(lambda _task: setattr(self, "should_exit", True))
+
+
+def end_process(code: int) -> None:
+    """Exit with `code` now, skipping the interpreter's teardown: with torch, transformers and
+    triton loaded it garbage-collects a few hundred thousand objects and unloads every module,
+    1-3 s of CPU on a 2-core host (measured) that only delays whoever waits for the exit (a
+    rollout, `tokenlane bench`). The server and the engine have stopped by then, and the
+    asyncio default executor (dumps, tokenization) was joined when the event loop closed; the
+    atexit handlers still run (logging flushes its handlers there)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to keep
+            pass
+    os._exit(code)
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive after start-up (torch, transformers, the
+    model, FastAPI's routes: a few hundred thousand) into the collector's permanent generation.
+    Python's cyclic collector holds the GIL while it runs, and a full collection walks every
+    tracked object: 100-220 ms for this heap, during which the step thread waits for the GIL
+    and every stream stalls (one such pause per 10-15 s of a 16-client run, measured with
+    gc.callbacks; none after the freeze). Objects made while serving are collected as before.
+    vLLM's engine core does the same."""
+    gc.collect()
+    gc.freeze()
+
+
+def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> int:
+    """`tokenlane serve`; the exit status. A served run ends the process itself
+    (`end_process`) unless `exit_when_served` is False; a refused start returns 1 or 2."""
+    args = build_parser().parse_args(argv)
+    if args.flight_recorder_steps < 0:
+        print("tokenlane serve: --flight-recorder-steps must be 0 (off) or more", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.config:
+            file_config = load_config(args.config)
+        elif args.model:
+            file_config = RuntimeConfig(model=ModelConfig(path=args.model))
+        else:
+            print("tokenlane serve: give --config runtime.yaml or --model PATH", file=sys.stderr)
+            return 2
+        config = apply_overrides(file_config, args)
+    except ConfigError as exc:
+        print(f"tokenlane serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+
+    from tokenlane.runtime.engine.core_process import open_engine
+
+    try:
+        async_engine = open_engine(config)
+    except (ValueError, OSError) as exc:
+        print(f"tokenlane serve: cannot load {config.model.path}: {exc}", file=sys.stderr)
+        return 1
+    if config.engine.executor == "model":
+        # engine.cpuBind: this process's threads and those it starts from now on, the step
+        # thread included until it pins itself, keep to the server's CPUs.
+        from tokenlane.runtime.executor.cpu_placement import confine_server_threads, placement_for
+        from tokenlane.runtime.executor.model_executor import select_device
+
+        confine_server_threads(placement_for(config.engine, select_device(config.engine.device).type))
+    options = ServerOptions(
+        shutdown_grace_s=args.shutdown_grace_seconds,
+        config_poll_interval_s=args.config_poll_seconds,
+        config_transform=lambda c: apply_overrides(c, args),
+        flight_recorder_steps=args.flight_recorder_steps,
+        dump_dir=args.dump_dir or default_dump_dir(),
+    )
+    app = create_app(async_engine, args.config, options=options)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                               timeout_graceful_shutdown=5, lifespan="on")
+    server = GracefulServer(uv_config, app.state.tokenlane)
+    freeze_startup_heap()
+    server.run()
+    code = 0 if async_engine.healthy or app.state.tokenlane.draining else 1
+    log.info("shutdown complete; exit %d", code)
+    if exit_when_served:
+        end_process(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,561 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Reads a local Hugging Face checkpoint: config.json through transformers' `AutoConfig`
+(so old `rope_scaling` and new `rope_parameters` formats both work) and the weights with
+the `safetensors` library. The math mirrors transformers' modeling code operation by
+operation (RMSNorm in float32, rotate-half RoPE, SwiGLU, residual adds in the model dtype),
+which is what lets the tests require token-for-token equality with `generate()`. On the
+CPU, `runtime/executor/cpu_dense.py` picks the compute dtype (float32 for a bf16/fp16 model where the
+CPU has no native low-precision matmul) and runs the large linears through oneDNN on
+prepacked weights; with the native backend the RMSNorms are one C call each
+(`kernels.api.rms_norm`).
+
+Attention reads and writes the paged cache only through `tokenlane.kernels`
+(`write_kv_cache`, `paged_attention`) on a flat batch: all sequences' tokens of a step in
+one [T, ...] tensor. One CPU-side shortcut keeps exact semantics: a prefill chunk with no
+cached context (context length == query length) attends only to its own fresh keys, so with
+the torch backend it goes straight to `scaled_dot_product_attention` instead of gathering
+the same keys back out of the cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenlane.kernels import api as kernels
+from tokenlane.runtime.executor.cpu_dense import PrepackedLinear, detect_cpu_matmul_support, prepack_linear
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 (and llama with attention_bias=True)
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    sliding_window: Optional[int]  # None = full attention everywhere
+    bos_token_id: Optional[int]
+    eos_token_id: Optional[int]
+
+
+def load_hf_config(path: str | Path):
+    """transformers' own parse of config.json (standardized rope parameters)."""
+    from transformers import AutoConfig
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"no config.json in model folder {str(folder)!r}")
+    raw = json.loads((folder / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in {folder}/config.json; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+
+
+def _first_id(value) -> Optional[int]:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def model_args_from_hf(hf_config) -> ModelArgs:
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    if c.num_attention_heads % num_kv_heads:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {c.hidden_act!r} (only silu)")
+    sliding_window = getattr(c, "sliding_window", None)
+    if c.model_type == "qwen2" and not getattr(c, "use_sliding_window", False):
+        sliding_window = None
+    qkv_bias = c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False))
+    return ModelArgs(
+        model_type=c.model_type,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=c.model_type != "qwen2" and bool(getattr(c, "attention_bias", False)),
+        mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        max_position_embeddings=c.max_position_embeddings,
+        sliding_window=sliding_window,
+        bos_token_id=_first_id(getattr(c, "bos_token_id", None)),
+        eos_token_id=_first_id(getattr(c, "eos_token_id", None)),
+    )
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+class RotaryEmbedding:
+    """cos/sin per token position, as transformers computes them.
+
+    default, linear, llama3 and yarn have position-independent frequencies (precomputed
+    table). dynamic NTK rescales the base once a sequence grows past
+    max_position_embeddings; transformers recomputes it from the longest sequence in the
+    forward call, we do it per sequence from its context length this step (identical for
+    one sequence; within the original length it is the default RoPE).
+    """
+
+    def __init__(self, hf_config, head_dim: int, max_positions: int, device: torch.device):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if not params:  # transformers 4.x style config object
+            params = dict(getattr(hf_config, "rope_scaling", None) or {})
+            params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        self.rope_type = rope_type
+        self.hf_config = hf_config
+        self.head_dim = head_dim
+        self.device = device
+        self.original_max = hf_config.max_position_embeddings
+        if rope_type == "default":
+            base = params.get("rope_theta", 10000.0)
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        self.inv_freq = inv_freq.to(device)
+        self._dynamic_cache: dict[int, torch.Tensor] = {}
+        # Table for positions-only types (and dynamic within the original length).
+        self._table_len = 0
+        self._cos = self._sin = None
+        self._grow_table(min(max_positions, 1 << 16))
+
+    def _grow_table(self, length: int) -> None:
+        if length <= self._table_len:
+            return
+        cos, sin = self._cos_sin(torch.arange(length, device=self.device), self.inv_freq)
+        self._cos, self._sin, self._table_len = cos, sin, length
+
+    def _cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor):
+        freqs = positions[:, None].float() * inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def _dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if seq_len not in self._dynamic_cache:
+            inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.hf_config, torch.device("cpu"), seq_len=seq_len)
+            self._dynamic_cache[seq_len] = inv_freq.to(self.device)
+        return self._dynamic_cache[seq_len]
+
+    def cos_sin(
+        self, positions: torch.Tensor, seq_lens: list[int], query_lens: list[int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim] cos and sin in `dtype` for the flat batch's positions."""
+        if self.rope_type == "dynamic" and max(seq_lens, default=0) > self.original_max:
+            cos_parts, sin_parts, start = [], [], 0
+            for ctx, q in zip(seq_lens, query_lens):
+                pos = positions[start : start + q]
+                inv = self.inv_freq if ctx <= self.original_max else self._dynamic_inv_freq(ctx)
+                c, s = self._cos_sin(pos, inv)
+                cos_parts.append(c)
+                sin_parts.append(s)
+                start += q
+            return torch.cat(cos_parts).to(dtype), torch.cat(sin_parts).to(dtype)
+        needed = max(seq_lens, default=0)  # host-side: no device sync for the max position
+        if needed > self._table_len:
+            self._grow_table(max(needed, 2 * self._table_len))
+        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [T, D] with the first half negated: rotate_half's sign folded into the table."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """`apply_rope` in place, with `sin_signed = signed_sin(sin)`: the same products and
+    sums (negating a factor is exact), two temporaries fewer."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    rotated.mul_(sin_signed[:, None, :])
+    x.mul_(cos[:, None, :]).add_(rotated)
+
+
+# --------------------------------------------------------------------------- batch metadata
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat batch's layout, shared by every layer of one forward pass.
+
+    Sequences are ordered so that those whose attention needs the paged cache (decodes and
+    prefill chunks with cached context) come first, covering tokens [0, num_paged_tokens);
+    the remaining ones are fresh prefills (no cached context).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each token (block * bs + offset)
+    block_tables: torch.Tensor  # [S_paged, max_blocks] int32, paged sequences only
+    seq_lens: torch.Tensor  # [S_paged] int32: context length incl. this step's tokens
+    query_start_loc: torch.Tensor  # [S_paged + 1] int32
+    num_paged_tokens: int  # tokens of the paged sequences (a prefix of the batch)
+    max_query_len: int  # host-side maxima of the paged part (no device sync in kernels)
+    max_seq_len: int
+    fresh_query_lens: list[int]  # query lengths of the fresh-prefill sequences, in order
+    all_seq_lens: list[int]  # context length of every sequence (paged then fresh)
+    all_query_lens: list[int]  # query length of every sequence (paged then fresh)
+    backend: str = "auto"  # attention backend for kernels.api
+    sdpa_fresh_prefill: bool = True  # use SDPA for fresh prefills (torch backend only)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        # `native`: float32 and bf16 norms in one C call (CausalLM.use_native_norms).
+        self.backend = "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm: float32 statistics, `weight * normed.to(dtype)`.
+        return kernels.rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        # q, k and v in one matmul (one GEMM instead of three small ones).
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.scale = args.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent columns of qkv: one in-place rotation covers both heads' sets.
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        if not kernels.rope_write_kv(qkv, self.num_heads, self.num_kv_heads, cos, sin, key_cache, value_cache,
+                                     meta.slot_mapping, backend=meta.backend):  # one C call on the CPU
+            apply_rope_(qk, cos, sin)
+            kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
+
+        out = torch.empty((T, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        n_paged = meta.num_paged_tokens
+        if n_paged:
+            q_paged = q[:n_paged]
+            if meta.backend == "triton" and q.dtype != key_cache.dtype:
+                # A float32-compute model over a lower-precision cache (runtime/executor/cpu_dense.py):
+                # the Triton kernels take one dtype; the torch paths upcast the cache instead.
+                q_paged = q_paged.to(key_cache.dtype)
+            kernels.paged_attention(
+                q_paged,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                self.scale,
+                out=out[:n_paged],
+                backend=meta.backend,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+            )
+        start = n_paged
+        for q_len in meta.fresh_query_lens:
+            end = start + q_len
+            # [1, H, L, D]: the sequence attends causally to its own fresh keys only.
+            qs = q[start:end].transpose(0, 1).unsqueeze(0)
+            ks = k[start:end].transpose(0, 1).unsqueeze(0)
+            vs = v[start:end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+            out[start:end] = o[0].transpose(0, 1)
+            start = end
+        return self.o_proj(out.view(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin_signed, kv_cache, meta):
+        # Residual adds into the sublayers' fresh outputs (a + x == x + a exactly).
+        h = self.self_attn(self.input_layernorm(x), cos, sin_signed, kv_cache, meta).add_(x)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+
+
+class CausalLM(nn.Module):
+    """The decoder stack plus LM head; `forward` returns logits of selected tokens only."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary: Optional[RotaryEmbedding] = None  # set by from_pretrained (needs a device)
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [N] int64: rows of the batch that get logits
+        argmax_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits [N, vocab] float32 of `logits_indices`. With `argmax_only` (the caller needs
+        only each row's argmax) it may return those token ids instead, int64 [N], when the LM
+        head makes them without logits (a CPU panel head: PrepackedLinear.argmax)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, meta.all_seq_lens, meta.all_query_lens, x.dtype)
+        sin_signed = signed_sin(sin)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin_signed, kv_cache, meta)
+        # Norm and LM head only where a token is sampled: the head is the largest matmul.
+        x = self.norm(x[logits_indices])
+        if argmax_only and hasattr(self.lm_head, "argmax"):
+            tokens = self.lm_head.argmax(x)
+            if tokens is not None:
+                return tokens
+        return self.lm_head(x).float()
+
+    # ---- loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        *,
+        weight_dtype: Optional[torch.dtype] = None,
+        prepack: bool = True,
+    ) -> "CausalLM":
+        """`dtype` is the compute dtype. `weight_dtype` (default: `dtype`) is the model's own
+        dtype: weights are rounded to it first, so a bf16 model computed in float32 on the CPU
+        (runtime/executor/cpu_dense.py) keeps bf16 weights. `prepack`: on the CPU, large linears run
+        through oneDNN with prepacked weights (`prepack_linears`)."""
+        device = torch.device(device)
+        hf_config = load_hf_config(path)
+        args = model_args_from_hf(hf_config)
+        # Built on the meta device: no time spent on random init that the weights overwrite.
+        with torch.device("meta"):
+            model = cls(args)
+        model = model.to_empty(device=device).to(dtype)
+        model.tie_weights()
+        model.rotary = RotaryEmbedding(hf_config, args.head_dim, args.max_position_embeddings, device)
+        model.load_weights(path)
+        if weight_dtype is not None and weight_dtype != dtype:
+            model.round_weights(weight_dtype)
+        if prepack and device.type == "cpu":
+            model.prepack_linears()
+        return model.eval()
+
+    def use_native_norms(self, enabled: bool = True) -> None:
+        """Float32 and bf16 RMSNorms through the C kernel (kernels/cpu_native.py): one call
+        instead of six to nine torch ops each, 2L + 1 norms per step. The executor turns it
+        on with the native attention backend."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.backend = "native" if enabled else "torch"
+
+    def prepack_linears(self) -> None:
+        """Swap the large linears (float32, and bf16 where the CPU multiplies it natively) for
+        oneDNN-prepacked ones (runtime/executor/cpu_dense.py). The per-layer ones drop their dense
+        weight, but for small float32 ones (kept for the batch sizes MKL multiplies faster);
+        the LM head keeps it (the tied embedding)."""
+        support = detect_cpu_matmul_support()
+        self.lm_head = prepack_linear(self.lm_head, support=support)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = prepack_linear(attn.qkv_proj, keep_dense=False, support=support)
+            attn.o_proj = prepack_linear(attn.o_proj, keep_dense=False, support=support)
+            mlp.gate_up_proj = prepack_linear(mlp.gate_up_proj, keep_dense=False, support=support)
+            mlp.down_proj = prepack_linear(mlp.down_proj, keep_dense=False, support=support)
+
+    def panel_step_rows(self) -> Optional[range]:
+        """The token counts of a forward pass whose every product is a panel product (each
+        linear prepacked with panels for those rows), or None where some linear has none."""
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                        layer.mlp.down_proj]
+        ranges = {linear.panel_rows if isinstance(linear, PrepackedLinear) else None for linear in linears}
+        return ranges.pop() if len(ranges) == 1 else None
+
+    @torch.no_grad()
+    def round_weights(self, weight_dtype: torch.dtype) -> None:
+        """Round every weight to `weight_dtype`, keeping the tensors' own dtype."""
+        for param in self.parameters():
+            param.copy_(param.to(weight_dtype))
+
+    def load_weights(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        folder = Path(path)
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():  # sharded checkpoint: the index names the shards
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+            files = sorted(folder / name for name in shards)
+        else:
+            # Mistral repos may also ship `consolidated.safetensors` (other weight names).
+            files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("consolidated"))
+        if not files:
+            raise ValueError(f"no *.safetensors weights in {str(folder)!r}")
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        fused = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
+        a = self.args
+        qkv_sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        mlp_sizes = [a.intermediate_size, a.intermediate_size]
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    key = name[len("model."):] if name.startswith("model.") else name
+                    if "rotary_emb" in key:
+                        continue
+                    parts = key.split(".")
+                    proj = parts[-2] if len(parts) >= 2 else ""
+                    if proj in fused:
+                        is_attn = proj in ("q_proj", "k_proj", "v_proj")
+                        target = key.replace(proj, "qkv_proj" if is_attn else "gate_up_proj")
+                        sizes = qkv_sizes if is_attn else mlp_sizes
+                        idx = fused[proj]
+                        offset = sum(sizes[:idx])
+                        param = params.get(target)
+                        if param is None:
+                            raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                        param.data[offset : offset + sizes[idx]].copy_(tensor)
+                        loaded.add(f"{target}#{idx}")
+                        continue
+                    param = params.get(key)
+                    if param is None:
+                        raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                    loaded.add(key)
+        missing = []
+        for pname, param in self.named_parameters():
+            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                missing += [f"{pname}#{i}" for i in range(3) if f"{pname}#{i}" not in loaded]
+            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+                missing += [f"{pname}#{i}" for i in range(2) if f"{pname}#{i}" not in loaded]
+            elif pname not in loaded and not (pname == "lm_head.weight" and self.args.tie_word_embeddings):
+                missing.append(pname)
+        if self.args.tie_word_embeddings and "lm_head.weight" in loaded:
+            pass  # a checkpoint may store the tied head too; it is the same tensor
+        if missing:
+            raise ValueError(f"checkpoint {str(folder)!r} is missing weights: {missing[:8]}")
+
+
+def kv_cache_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+
+
+def math_flops_per_token(args: ModelArgs) -> float:
+    """Matmul FLOPs of one token through the layers (excluding attention scores and head)."""
+    h, i = args.hidden_size, args.intermediate_size
+    qkv = h * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    o = args.num_heads * args.head_dim * h
+    return 2.0 * args.num_layers * (qkv + o + 3 * h * i)
+
+
+__all__ = [
+    "AttentionMetadata",
+    "CausalLM",
+    "ModelArgs",
+    "RotaryEmbedding",
+    "kv_cache_bytes_per_block",
+    "load_hf_config",
+    "math_flops_per_token",
+    "model_args_from_hf",
+]

@@ -1,0 +1,437 @@
+"""Prometheus metrics of the runtime (docs/metrics.md): an `EngineObserver` over its own
+`CollectorRegistry`.
+
+Names carry the `tokenlane_` prefix. Labels: `model` everywhere; `lane` on per-lane series;
+`tenant` on the request and token counters (values limited to configured tenants and
+"default", which the router guarantees); `endpoint` on the request counter (the two OpenAI
+paths, or "other" for callers of the engine itself). Latency histograms are per lane, not
+per tenant, to keep the series count bounded; the tuner reads them per lane.
+
+The engine calls the observer from its step thread; prometheus_client is thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tokenlane.runtime.config import LANE_KNOBS, RuntimeConfig
+from tokenlane.runtime.observability.gpu_metrics import register_gpu_metrics
+from tokenlane.runtime.core.request import FinishReason, Request
+from tokenlane.runtime.core.stats import StepStats
+
+log = logging.getLogger("tokenlane.metrics")
+
+PREFIX = "tokenlane_"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Buckets suited to LLM serving (seconds), close to vLLM's.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
+                1.28, 2.56, 5.12)
+BATCH_TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))  # 1 .. 32768
+# KV release: a step boundary away at most for a cancel, microseconds for a finish.
+KV_RELEASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                      0.25, 0.5, 1.0, 2.5, 5.0)
+
+# The `endpoint` label of the request counter, from the request id's prefix (the server's
+# ids are OpenAI's: "cmpl-…", "chatcmpl-…"); any other id (bench, direct engine callers)
+# counts as OTHER_ENDPOINT.
+ENDPOINT_OF_ID_PREFIX = {"cmpl": "/v1/completions", "chatcmpl": "/v1/chat/completions"}
+ENDPOINTS = tuple(ENDPOINT_OF_ID_PREFIX.values())
+OTHER_ENDPOINT = "other"
+
+OUTCOME_OF_FINISH = {
+    FinishReason.STOP: "finished",
+    FinishReason.LENGTH: "finished",
+    FinishReason.CANCELLED: "cancelled",
+    FinishReason.TIMEOUT: "timeout",
+    FinishReason.REJECTED: "rejected",
+    FinishReason.ERROR: "error",
+}
+
+# Budget gauge label value -> LaneBudgets attribute: every lane knob.
+BUDGET_KEYS = {k.key: k.attr for k in LANE_KNOBS}
+
+# SLO gauge label value -> SLOConfig attribute (milliseconds in the config, seconds exported).
+SLO_KEYS = {"ttft_p95": "ttft_p95_ms", "tpot_p95": "tpot_p95_ms", "e2e_p95": "e2e_p95_ms"}
+
+CONFIG_RELOAD_RESULTS = ("success", "invalid", "restart_required", "error")
+
+# The `requests_total` (outcome, reason) pairs created at zero for every configured lane and
+# tenant, so a rate() over them works from the first scrape (a counter that first appears
+# already at its final value has no rate). The reasons the engine and server produce; a bounded
+# set (lanes x tenants x these), never derived from request data.
+EXPECTED_OUTCOMES = (
+    ("finished", "eos"),
+    ("finished", "stop_token"),
+    ("finished", "stop_string"),
+    ("finished", "max_tokens"),
+    ("finished", "max_model_len"),
+    ("cancelled", "cancelled"),
+    ("cancelled", "client_disconnect"),
+    ("timeout", "queue_timeout"),
+    ("timeout", "deadline"),
+    ("rejected", "queue_full"),
+    ("rejected", "kv_watermark"),
+    ("rejected", "deadline"),
+    ("rejected", "draining"),
+    ("rejected", "tenant_rate_limit"),
+    ("error", "oom"),
+    ("error", "other"),
+)
+
+# `reason` values of outcome="invalid": requests the server refused with a 400 before
+# admission (the error's code); any other code counts as "other". The first is created at
+# zero for every lane and tenant.
+INVALID_REASONS = (
+    "invalid_parameter",
+    "context_length_exceeded",
+    "empty_prompt",
+    "invalid_token_id",
+    "no_chat_template",
+    "chat_template_error",
+    "unknown_lane",
+    "invalid_deadline",
+)
+
+# The lane/tenant label of a request whose lane or tenant is not configured (e.g. one
+# rejected for naming an unknown lane): never the caller's own string.
+UNKNOWN_LABEL = "unknown"
+
+_REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+
+def endpoint_label(request_id: str) -> str:
+    """The `endpoint` label of a request, from its id's prefix (bounded: ENDPOINTS or OTHER_ENDPOINT)."""
+    return ENDPOINT_OF_ID_PREFIX.get(request_id.split("-", 1)[0], OTHER_ENDPOINT)
+
+
+def reason_label(request: Request) -> str:
+    """A bounded `reason` label: the finish detail when it is an identifier, else a default."""
+    detail = (request.finish_detail or "").strip().lower()
+    if _REASON_RE.match(detail):
+        return detail
+    if request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return request.finish_reason.value
+    return "other" if detail else "unspecified"
+
+
+class PrometheusMetrics:
+    """The runtime's metrics; implements `EngineObserver` (on_step / on_request_finished /
+    on_config_applied)."""
+
+    def __init__(self, model: str, registry: Optional[CollectorRegistry] = None) -> None:
+        self.model = model
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        lane = ["model", "lane"]
+        tenant = ["model", "lane", "tenant"]
+
+        def hist(name, doc, labels, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", lane, TTFT_BUCKETS)
+        self.tpot = hist(
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            lane,
+            TPOT_BUCKETS,
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to final token.", lane, REQUEST_BUCKETS)
+        self.queue_delay = hist(
+            "queue_delay_seconds", "Arrival to first scheduled (time in the lane queue).", lane, REQUEST_BUCKETS
+        )
+        self.prefill_time = hist(
+            "prefill_time_seconds", "First scheduled to first token (prefill, all chunks).", lane, REQUEST_BUCKETS
+        )
+        self.decode_time = hist("decode_time_seconds", "First token to final token.", lane, REQUEST_BUCKETS)
+        self.step_time = hist(
+            "scheduler_step_seconds", "One engine step: planning plus model execution.", ["model"], STEP_BUCKETS
+        )
+        self.batch_tokens = hist(
+            "batch_tokens", "Tokens computed per engine step (prefill chunks + decodes).", ["model"], BATCH_TOKEN_BUCKETS
+        )
+
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", tenant, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", tenant, registry=r)
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Requests by endpoint, final outcome (finished|cancelled|timeout|rejected|error|invalid) and reason.",
+            tenant + ["endpoint", "outcome", "reason"],
+            registry=r,
+        )
+        self.prefill_tokens = Counter(
+            PREFIX + "prefill_tokens",
+            "Prompt tokens computed (prefill chunks; recomputed after a preemption, prefix-cache hits not).",
+            lane,
+            registry=r,
+        )
+        self.decode_tokens = Counter(PREFIX + "decode_tokens", "Tokens computed by decode steps.", lane, registry=r)
+        self.kv_release = hist(
+            "kv_release_seconds",
+            "From a request's end being known (cancel call, deadline, last token computed) to its KV blocks free.",
+            lane,
+            KV_RELEASE_BUCKETS,
+        )
+        self.oom_events = Counter(
+            PREFIX + "oom_events",
+            "Engine steps that ran out of accelerator memory (their requests failed with reason oom).",
+            ["model"],
+            registry=r,
+        )
+        self.preemptions = Counter(PREFIX + "preemptions", "Requests preempted (recompute).", ["model"], registry=r)
+        self.tenant_throttled = Counter(
+            PREFIX + "tenant_throttled",
+            "Requests refused because their tenant was over its tokensPerMinute (429 tenant_rate_limit).",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model"], registry=r
+        )
+        self.prefix_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model"], registry=r
+        )
+        self.config_reloads = Counter(
+            PREFIX + "config_reloads",
+            "Config file changes by result (success|invalid|restart_required|error).",
+            ["model", "result"],
+            registry=r,
+        )
+
+        self.running = Gauge(PREFIX + "requests_running", "Sequences in the running set.", lane, registry=r)
+        self.waiting = Gauge(PREFIX + "requests_waiting", "Requests in the lane queue.", lane, registry=r)
+        self.lane_kv_blocks = Gauge(
+            PREFIX + "lane_kv_blocks",
+            "KV block-table entries held by the lane's running requests (shared prefix blocks count per holder).",
+            lane,
+            registry=r,
+        )
+        self.time_capped_steps = Counter(
+            PREFIX + "time_capped_steps",
+            "Steps in which the step-time budget (stepTimeBudget: auto) shortened or skipped the lane's work.",
+            lane,
+            registry=r,
+        )
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio", "Used / total KV blocks (0..1).", ["model"], registry=r)
+        self.kv_free = Gauge(PREFIX + "kv_blocks_free", "Free KV blocks.", ["model"], registry=r)
+        self.kv_total = Gauge(PREFIX + "kv_blocks_total", "KV blocks in the pool.", ["model"], registry=r)
+        self.kv_cached_free = Gauge(
+            PREFIX + "kv_blocks_cached_free", "Free KV blocks still holding a cached prefix.", ["model"], registry=r
+        )
+        self.continuous_batching = Gauge(
+            PREFIX + "continuous_batching_enabled", "1 = continuous batching, 0 = static batching.", ["model"], registry=r
+        )
+        self.lane_budget = Gauge(
+            PREFIX + "lane_budget",
+            "Effective per-lane budget in force (the lane's caps applied to the global ones).",
+            ["model", "lane", "budget"],
+            registry=r,
+        )
+        self.kv_watermark = Gauge(
+            PREFIX + "kv_cache_watermark",
+            "KV usage watermarks in force (high: no new prefills; reject: new requests get 503).",
+            ["model", "watermark"],
+            registry=r,
+        )
+        self.slo_target = Gauge(
+            PREFIX + "lane_slo_target_seconds",
+            "Each lane's latency targets from the config in force (p95, seconds); alert rules compare "
+            "the lane's histograms against them.",
+            ["model", "lane", "slo"],
+            registry=r,
+        )
+        self.config_info = Gauge(
+            PREFIX + "config_info", "The restart hash of the config in force (value 1).", ["model", "restart_hash"], registry=r
+        )
+        for result in CONFIG_RELOAD_RESULTS:  # present from the start, so rate() works at once
+            self.config_reloads.labels(model, result)
+        for metric in (self.step_time, self.batch_tokens, self.preemptions, self.prefix_queries, self.prefix_hits,
+                       self.oom_events):
+            metric.labels(model)
+        self._lanes: set[str] = set()
+        self._tenants: set[str] = set()
+        self._restart_hash: Optional[str] = None
+        # GPU utilization and memory, read from NVML at scrape time; absent without a GPU.
+        self.gpu = register_gpu_metrics(model, r)
+
+    # ---- config
+
+    def set_config(self, config: RuntimeConfig) -> None:
+        """Export the budgets and watermarks of the config in force."""
+        m = self.model
+        lanes = {lane.name for lane in config.lanes}
+        for gone in self._lanes - lanes:
+            for budget in BUDGET_KEYS:
+                _remove(self.lane_budget, m, gone, budget)
+            for slo in SLO_KEYS:
+                _remove(self.slo_target, m, gone, slo)
+            _remove(self.running, m, gone)
+            _remove(self.waiting, m, gone)
+            _remove(self.lane_kv_blocks, m, gone)
+            _remove(self.time_capped_steps, m, gone)
+            _remove(self.prefill_tokens, m, gone)
+            _remove(self.decode_tokens, m, gone)
+        tenants = ["default"] + [t.name for t in config.tenants]
+        for name in lanes:
+            budgets = config.lane_budgets(name)
+            for label, attr in BUDGET_KEYS.items():
+                self.lane_budget.labels(m, name, label).set(getattr(budgets, attr))
+            slo = config.lane(name).slo
+            for label, attr in SLO_KEYS.items():
+                target_ms = getattr(slo, attr)
+                if target_ms is None:
+                    _remove(self.slo_target, m, name, label)
+                else:
+                    self.slo_target.labels(m, name, label).set(target_ms / 1000.0)
+            # Every lane's series exist from the start (at zero), so rate() and absent() work.
+            self.running.labels(m, name)
+            self.waiting.labels(m, name)
+            self.lane_kv_blocks.labels(m, name)
+            self.time_capped_steps.labels(m, name)
+            self.prefill_tokens.labels(m, name)
+            self.decode_tokens.labels(m, name)
+            for hist in (self.ttft, self.tpot, self.e2e, self.queue_delay, self.prefill_time, self.decode_time,
+                         self.kv_release):
+                hist.labels(m, name)
+            for tenant in tenants:
+                self.prompt_tokens.labels(m, name, tenant)
+                self.generation_tokens.labels(m, name, tenant)
+                for endpoint in ENDPOINTS:
+                    for outcome, reason in EXPECTED_OUTCOMES:
+                        self.requests.labels(m, name, tenant, endpoint, outcome, reason)
+                    self.requests.labels(m, name, tenant, endpoint, "invalid", INVALID_REASONS[0])
+        for tenant in tenants:
+            self.tenant_throttled.labels(m, tenant)
+        self._lanes = lanes
+        self._tenants = set(tenants)
+        self.kv_watermark.labels(m, "high").set(config.scheduler.kv_cache_high_watermark)
+        self.kv_watermark.labels(m, "reject").set(config.scheduler.kv_cache_reject_watermark)
+        self.continuous_batching.labels(m).set(1 if config.engine.continuous_batching else 0)
+        restart_hash = config.restart_hash()
+        if restart_hash != self._restart_hash:
+            if self._restart_hash is not None:
+                _remove(self.config_info, m, self._restart_hash)
+            self.config_info.labels(m, restart_hash).set(1)
+            self._restart_hash = restart_hash
+
+    def record_config_reload(self, result: str) -> None:
+        assert result in CONFIG_RELOAD_RESULTS, result
+        self.config_reloads.labels(self.model, result).inc()
+
+    # ---- EngineObserver
+
+    def on_step(self, stats: StepStats) -> None:
+        m = self.model
+        if stats.num_batched_tokens > 0:
+            self.step_time.labels(m).observe(stats.step_seconds + stats.schedule_seconds)
+            self.batch_tokens.labels(m).observe(stats.num_batched_tokens)
+        if stats.num_preemptions:
+            self.preemptions.labels(m).inc(stats.num_preemptions)
+        if stats.prefix_cache_queries:
+            self.prefix_queries.labels(m).inc(stats.prefix_cache_queries)
+        if stats.prefix_cache_hits:
+            self.prefix_hits.labels(m).inc(stats.prefix_cache_hits)
+        if stats.oom_events:
+            self.oom_events.labels(m).inc(stats.oom_events)
+        lanes = self._lanes
+        for name, lane in stats.lanes.items():
+            if name in lanes:  # configured lanes only (see set_occupancy)
+                if lane.prefill_tokens:
+                    self.prefill_tokens.labels(m, name).inc(lane.prefill_tokens)
+                if lane.decode_tokens:
+                    self.decode_tokens.labels(m, name).inc(lane.decode_tokens)
+                if lane.time_capped:
+                    self.time_capped_steps.labels(m, name).inc()
+        for name, seconds in stats.kv_releases:
+            self.kv_release.labels(m, name if name in lanes else UNKNOWN_LABEL).observe(seconds)
+        self.set_occupancy(stats)
+
+    def set_occupancy(self, stats: StepStats) -> None:
+        """Gauges from a step's (or a snapshot's) numbers."""
+        m = self.model
+        if stats.kv_blocks_total:
+            self.kv_total.labels(m).set(stats.kv_blocks_total)
+            self.kv_free.labels(m).set(stats.kv_blocks_free)
+            self.kv_cached_free.labels(m).set(stats.kv_blocks_cached_free)
+            self.kv_usage.labels(m).set(stats.kv_usage)
+        # Configured lanes only: a step that ran before a reload took effect must not bring
+        # back the series of a lane the reload removed (they would stay, stale, for good).
+        for name in self._lanes:
+            lane = stats.lanes.get(name)
+            self.running.labels(m, name).set(lane.running if lane else 0)
+            self.waiting.labels(m, name).set(lane.waiting if lane else 0)
+            self.lane_kv_blocks.labels(m, name).set(lane.kv_blocks_held if lane else 0)
+
+    def on_request_finished(self, request: Request) -> None:
+        m, lane, tenant = self.model, request.lane, request.tenant
+        if self._lanes:  # label values stay bounded whatever a direct engine caller passed
+            lane = lane if lane in self._lanes else UNKNOWN_LABEL
+            tenant = tenant if tenant in self._tenants else UNKNOWN_LABEL
+        reason = request.finish_reason or FinishReason.ERROR
+        outcome = OUTCOME_OF_FINISH[reason]
+        self.requests.labels(m, lane, tenant, endpoint_label(request.request_id), outcome, reason_label(request)).inc()
+        if outcome == "rejected" and request.finish_detail == "tenant_rate_limit":
+            self.tenant_throttled.labels(m, tenant).inc()
+        if outcome == "rejected":
+            return  # never admitted: no tokens, no latencies
+        if request.first_scheduled_time is not None:
+            self.prompt_tokens.labels(m, lane, tenant).inc(request.num_prompt_tokens)
+            self.queue_delay.labels(m, lane).observe(max(0.0, request.first_scheduled_time - request.arrival_time))
+        elif outcome == "timeout" and request.finish_time is not None:
+            # Timed out in the queue: its whole life was queue delay.
+            self.queue_delay.labels(m, lane).observe(max(0.0, request.finish_time - request.arrival_time))
+        if request.num_output_tokens:
+            self.generation_tokens.labels(m, lane, tenant).inc(request.num_output_tokens)
+        first, done = request.first_token_time, request.finish_time
+        if first is None:
+            return
+        self.ttft.labels(m, lane).observe(max(0.0, first - request.arrival_time))
+        if request.first_scheduled_time is not None:
+            self.prefill_time.labels(m, lane).observe(max(0.0, first - request.first_scheduled_time))
+        if done is None or outcome != "finished":
+            return  # cancelled/errored requests would skew the latency SLO histograms
+        last = request.token_times[-1] if request.token_times else done
+        self.e2e.labels(m, lane).observe(max(0.0, done - request.arrival_time))
+        self.decode_time.labels(m, lane).observe(max(0.0, last - first))
+        if request.num_output_tokens > 1:
+            self.tpot.labels(m, lane).observe(max(0.0, (last - first) / (request.num_output_tokens - 1)))
+
+    def record_invalid(self, lane: str, tenant: str, reason: str, endpoint: str = OTHER_ENDPOINT) -> None:
+        """A request the server refused with a 400 before admission (it never reached the
+        engine): outcome="invalid", reason one of INVALID_REASONS or "other"; `endpoint` the
+        path it was sent to (one of ENDPOINTS, else "other")."""
+        lane = lane if lane in self._lanes else UNKNOWN_LABEL
+        tenant = tenant if tenant in self._tenants else UNKNOWN_LABEL
+        reason = reason if reason in INVALID_REASONS else "other"
+        endpoint = endpoint if endpoint in ENDPOINTS else OTHER_ENDPOINT
+        self.requests.labels(self.model, lane, tenant, endpoint, "invalid", reason).inc()
+
+    def on_config_applied(self, config: object, ok: bool, message: str) -> None:
+        if ok and isinstance(config, RuntimeConfig):
+            self.set_config(config)
+
+    # ---- exposition
+
+    def render(self, names: Optional[Iterable[str]] = None) -> bytes:
+        """The exposition; with `names`, only those samples (prometheus_client's `name[]`
+        filter, which `tokenlane router` uses to scrape a replica several times a second)."""
+        names = list(names or ())
+        return generate_latest(self.registry.restricted_registry(names) if names else self.registry)
+
+
+def _remove(metric, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
