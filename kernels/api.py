@@ -14,8 +14,8 @@ BACKEND_ENV = "TOKENLANE_ATTENTION_BACKEND"
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """auto = Triton on CUDA; on the CPU the C decode kernel (`native`, kernels/cpu_native.py)
-    when it builds here, else `torch` (kernels/cpu_attention.py). TOKENLANE_ATTENTION_BACKEND
-    overrides auto (tests force `triton` on the CPU under TRITON_INTERPRET=1)."""
+    when a native library loads here, else `torch` (kernels/cpu_attention.py).
+    TOKENLANE_ATTENTION_BACKEND overrides auto (tests force `triton` on the CPU under TRITON_INTERPRET=1)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -35,7 +35,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         from tokenlane.kernels import cpu_native
 
         if not cpu_native.available():
-            raise ValueError(f"the native attention backend could not be built here: "
+            raise ValueError(f"the native attention backend is not available here: "
                              f"{cpu_native.load_error()} (use auto or torch)")
     return backend
 

@@ -1,5 +1,5 @@
 """CPU benchmark of `paged_attention_cpu`'s decode paths: one SDPA per sequence, decodes
-grouped by length (SDPA per group), and the C kernel (`native`, kernels/cpu_native.c).
+grouped by length (SDPA per group), and the C kernel (`native`, kernels/csrc/attention_decode.c).
 
     python -m tokenlane.kernels.cpu_attention_bench [--json out.json] [--threads 1]
         [--cache-dtype bfloat16] [--rounds 5] [--steps 5] [--quick]

@@ -1,12 +1,20 @@
-"""The C kernels for the CPU (kernels/cpu_native.c): build, load, launch.
+"""The C kernels for the CPU (kernels/csrc/*.c): load, launch.
 
-The source is compiled once per machine with the system C compiler (`cc`, or `$CC`) for the
-host's own instruction set (-march=native) into a shared library cached under
+The kernels are built with the wheel (setup.py, kernels/native_build.py): one shared library per
+instruction-set level in `_native/` next to this file (x86-64: `x86-64-v3` AVX2+FMA,
+`x86-64-v4` AVX-512, `x86-64-v4-bf16` AVX-512 with AVX512-BF16; elsewhere one `generic`
+build), with the manifest `_native/build.json`. `load()` picks the highest level whose CPU
+flags this host has (/proc/cpuinfo) and loads it with ctypes, which releases the GIL for each
+call; no compiler is involved. Without a library for this host (a build without a compiler, a
+CPU below every level, a checkout never built) `load()` returns None, logs why once, and the
+engine keeps the torch path (kernels/cpu_attention.py). `describe()` says which library was
+loaded, or why none (the runtime logs it at start-up).
+
+Developer override: TOKENLANE_NATIVE_JIT=1 compiles the sources at first use with the system
+compiler (`cc`, or `$CC`) for this host's own instruction set (-march=native) into a cache under
 `$TOKENLANE_CACHE_DIR` (default `$XDG_CACHE_HOME/tokenlane` or `~/.cache/tokenlane`, else the
-temp directory), named by a hash of the source, the compiler's version, the flags and the CPU's
-feature flags; a build takes 10-20 s on 2 cores. It is called through ctypes, which releases the
-GIL for the call. Without a compiler (or when the build fails) `load()` returns None, logs
-why once, and the engine keeps the torch path (kernels/cpu_attention.py).
+temp directory), named by a hash of the sources, the compiler's version, the flags and the
+CPU's feature flags, instead of the prebuilt libraries.
 
 `paged_decode_attention` is the decode-attention launcher: it checks shapes, strides and
 dtypes, then runs every decode of a batch in one call. Results equal the torch reference up
@@ -28,21 +36,25 @@ import platform
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from tokenlane.kernels import native_build
+
 log = logging.getLogger("tokenlane.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_native.c")
-CACHE_ENV = "TOKENLANE_CACHE_DIR"
-# Threads: in a pool step (`pool_step`) attention and the panel products share their items with
-# the C helper pool (pthreads); otherwise they, and the large norms and argmaxes, run on the
-# caller's OpenMP team, i.e. torch's own pool (one libgomp per process; the fallback build
-# without OpenMP, e.g. clang without libomp, runs them on the caller alone).
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-FALLBACK_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
+CACHE_ENV = native_build.CACHE_ENV
+JIT_ENV = "TOKENLANE_NATIVE_JIT"
+# The JIT build's instruction set: this host's own. Threads: in a pool step (`pool_step`)
+# attention and the panel products share their items with the C helper pool (pthreads);
+# otherwise they, and the large norms and argmaxes, run on the caller's OpenMP team, i.e.
+# torch's own pool (one libgomp per process; a build without OpenMP, e.g. clang without
+# libomp, runs them on the caller alone).
+JIT_FLAGS = ("-march=native",)
 
 # The C kernel's cache dtype codes.
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -50,8 +62,19 @@ _ERRORS = {1: "unsupported cache dtype", 2: "out of memory", 3: "bad shape", 4: 
 TL_NAN = 4
 MAX_GROUP = 64  # query heads per KV head (TL_MAX_GROUP in the C source)
 
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """The library `load()` loaded: its level ("native" for a JIT build) and path."""
+
+    level: str
+    path: Path
+    jit: bool = False
+
+
 _lock = threading.Lock()
 _loaded: Optional[ctypes.CDLL] = None
+_library: Optional[NativeLibrary] = None
 _load_error: Optional[str] = None
 _tried = False
 # Per thread: the threads of the pool kernels during a `pool_step` (else torch's count).
@@ -86,7 +109,7 @@ def park_pool() -> None:
 class pool_step:
     """`with pool_step(n):` a step whose parallel work is all in the C kernels (attention and
     panel products: the decode steps of a model whose linears all have panels). Inside, those
-    kernels share their items with n - 1 helper threads (kernels/cpu_native.c, "the helper
+    kernels share their items with n - 1 helper threads (kernels/csrc/pool.c, "the helper
     pool"), which never wait for a preempted thread as an OpenMP team's barrier does, and torch
     runs on one thread: its OpenMP workers, spinning a while after a parallel op, would take the
     cores the helpers need (2-core Zen 4, a 16-sequence bf16 decode step of the 19M model: 5.6-12
@@ -110,23 +133,27 @@ class pool_step:
 
 
 def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tokenlane"
+    return native_build.cache_dir()
+
+
+def jit_requested() -> bool:
+    """Whether the developer override TOKENLANE_NATIVE_JIT asks for a build on this host."""
+    return os.environ.get(JIT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def load() -> Optional[ctypes.CDLL]:
-    """The built library, or None (the reason is in `load_error()` and logged once)."""
-    global _loaded, _load_error, _tried
+    """The library for this host, or None (the reason is in `load_error()` and logged once)."""
+    global _loaded, _library, _load_error, _tried
     with _lock:
         if not _tried:
             _tried = True
             try:
-                _loaded = _bind(ctypes.CDLL(str(_build())))
+                library = _jit_library() if jit_requested() else prebuilt_library()
+                _loaded = _bind(ctypes.CDLL(str(library.path)))
+                _library = library
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _load_error = str(exc)
-                log.warning("native CPU attention unavailable, using the torch path: %s", exc)
+                log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
         return _loaded
 
 
@@ -138,37 +165,69 @@ def available() -> bool:
     return load() is not None
 
 
+def loaded_library() -> Optional[NativeLibrary]:
+    """Which library `load()` loaded (its level and path), or None."""
+    load()
+    return _library
+
+
+def describe() -> str:
+    """One line for the start-up log: the level and path of the library loaded, or why none."""
+    library = loaded_library()
+    if library is None:
+        return f"native CPU kernels not loaded ({_load_error}); the torch path runs"
+    how = "built here (TOKENLANE_NATIVE_JIT)" if library.jit else "prebuilt"
+    return f"native CPU kernels loaded: level {library.level}, {how}, {library.path}"
+
+
+def prebuilt_library(native_dir: Optional[Path] = None) -> NativeLibrary:
+    """The wheel's library for this host: the highest level built whose CPU flags it has.
+    RuntimeError saying why when there is none."""
+    native_dir = Path(native_dir or native_build.NATIVE_DIR)
+    manifest = native_build.read_manifest(native_dir)
+    if manifest is None:
+        raise RuntimeError(f"no native kernels built ({native_dir / native_build.MANIFEST} is missing; in a "
+                           f"checkout run `python setup.py build_native --inplace`, or set {JIT_ENV}=1)")
+    built = manifest.get("levels") or {}
+    if not built:
+        raise RuntimeError(f"the native kernels were not built with this package: {manifest.get('reason')}")
+    flags = native_build.host_cpu_flags()
+    level = native_build.choose_level(flags, built)
+    if level is None:
+        known = [lv for lv in native_build.levels_for() if lv.name in built]
+        if not known:
+            raise RuntimeError(f"no native library for this machine ({platform.machine()}): built "
+                               f"{sorted(built)} on {manifest.get('machine')}")
+        raise RuntimeError(f"no native library for this CPU: built {sorted(built)}; the lowest, {known[0].name}, "
+                           f"needs CPU flags this host lacks: {' '.join(sorted(known[0].cpu_flags - flags))}")
+    path = native_dir / built[level]["library"]
+    if not path.exists():
+        raise RuntimeError(f"the manifest lists {path}, which is missing")
+    return NativeLibrary(level, path)
+
+
+def _jit_library() -> NativeLibrary:
+    return NativeLibrary("native", _build(), jit=True)
+
+
 def _compiler() -> str:
-    return os.environ.get("CC") or "cc"
+    return native_build.compiler()
 
 
 def _cpu_flags() -> str:
     """The CPU's feature flags: -march=native code must not be reused on another CPU."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return native_build.cpu_flags_line() or platform.processor() or platform.machine()
 
 
 def _build() -> Path:
-    try:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
-                                 timeout=30, check=True).stdout
-    except FileNotFoundError:
-        raise RuntimeError(f"no C compiler ({_compiler()!r} not found; set CC)") from None
-    try:
-        return _build_with(FLAGS, version)
-    except RuntimeError as exc:
-        log.info("native CPU kernels: no OpenMP build (%s); building with pthreads", exc)
-        return _build_with(FALLBACK_FLAGS, version)
-
-
-def _build_with(flags: tuple[str, ...], version: str) -> Path:
+    """The JIT build (TOKENLANE_NATIVE_JIT): the sources for -march=native, cached."""
+    version = native_build.compiler_version(_compiler())
+    if version is None:
+        raise RuntimeError(f"no C compiler ({_compiler()!r} not found; set CC)")
     key = hashlib.sha256(b"\0".join([
-        SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(), _cpu_flags().encode(),
+        *(source.name.encode() + b"\0" + source.read_bytes() for source in native_build.sources()),
+        version.encode(), " ".join(JIT_FLAGS + native_build.OPENMP_FLAGS + native_build.NO_OPENMP_FLAGS).encode(),
+        _cpu_flags().encode(),
     ])).hexdigest()[:16]
     errors = []
     for directory in (cache_dir() / "native", Path(tempfile.gettempdir()) / "tokenlane-native"):
@@ -177,24 +236,17 @@ def _build_with(flags: tuple[str, ...], version: str) -> Path:
             return library
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            # Built under a private name and renamed: processes that build at once never load
-            # a half-written library.
-            fd, partial = tempfile.mkstemp(dir=directory, prefix=".cpu_native-", suffix=".so")
-            os.close(fd)
+            probe = tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-")
+            probe.close()
         except OSError as exc:
             errors.append(f"{directory}: {exc}")
             continue
-        try:
-            result = subprocess.run([_compiler(), *flags, "-o", partial, str(SOURCE), "-lm"],
-                                    capture_output=True, text=True, timeout=300)
-            if result.returncode != 0:
-                raise RuntimeError(f"{_compiler()} failed: {result.stderr.strip()[-2000:]}")
-            os.replace(partial, library)
-            log.info("built the native CPU attention kernel: %s", library)
-            return library
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            built = native_build.build_library(_compiler(), JIT_FLAGS, library, pool)
+        if not built["openmp"]:
+            log.info("native CPU kernels: no OpenMP build (%s rejected it); built with pthreads", _compiler())
+        log.info("built the native CPU kernels: %s", library)
+        return library
     raise RuntimeError("no writable cache directory: " + "; ".join(errors))
 
 
@@ -501,10 +553,10 @@ def paged_prefill_attention(
     num_threads: int = 1,
     pool: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of prefill chunks over their paged context (kernels/cpu_native.c,
-    "prefill chunks"): out rows [q_starts[i], q_starts[i] + q_lens[i]) for each chunk i, its
-    query row r at position ctx_lens[i] - q_lens[i] + r. The other rows of `out` are left as
-    they are. Every index is bound-checked in C before any is followed (ValueError, nothing
+    """Causal attention of prefill chunks over their paged context
+    (kernels/csrc/attention_prefill.c): out rows [q_starts[i], q_starts[i] + q_lens[i]) for
+    each chunk i, its query row r at position ctx_lens[i] - q_lens[i] + r. The other rows of
+    `out` are left as they are. Every index is bound-checked in C before any is followed (ValueError, nothing
     written). The threads are the caller's OpenMP team, or with `pool` the caller and
     `num_threads` - 1 helpers of the C helper pool (`pool_step`)."""
     lib = _launchable(query, key_cache, value_cache, block_tables, out,

@@ -26,6 +26,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cli ./cli
 COPY runtime ./runtime
+COPY bench ./bench
 COPY kernels ./kernels
 COPY operator ./operator
 # The operator imports tokenlane.runtime.config (the runtime.yaml schema), which needs no torch.

@@ -17,7 +17,9 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04@sha256:ebef3c171eeef0298e4
 # mounted read-only for one step, so no path and no wheel ends up in the image.
 FROM scratch AS wheels
 
-# ---- build: a virtualenv with tokenlane and its runtime extras
+# ---- build: a virtualenv with tokenlane and its runtime extras; the C compiler here builds
+# the native CPU kernels into the wheel (setup.py: one library per x86-64 level), so the
+# runtime image below needs none for them.
 FROM ${CUDA_IMAGE} AS build
 # pip's index and mirrors for this stage only: unset unless given (scripts/build-images.sh
 # --host-pip forwards the build machine's). A CA bundle for them (a proxy's, say) comes as the
@@ -30,7 +32,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG EXTRAS=runtime,triton,gpu
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv \
+ && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/tokenlane
 ENV PATH=/opt/tokenlane/bin:$PATH
@@ -40,15 +42,17 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
  && pip install --find-links /wheels --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY cli ./cli
 COPY runtime ./runtime
+COPY bench ./bench
 COPY kernels ./kernels
 COPY operator ./operator
 RUN --mount=type=secret,id=pip-cert,target=/run/secrets/pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
  && pip install ".[${EXTRAS}]" \
  && python -c "import torch, tokenlane.runtime.entrypoints.server; print('torch', torch.__version__)" \
+ && python -c "from tokenlane.kernels import native_build as b; m = b.read_manifest(); assert m and m['levels'], m; print('native CPU kernels:', ', '.join(m['levels']))" \
  && case ",${EXTRAS}," in *,triton,*) python -c "import triton" ;; esac
 
 # ---- runtime image
@@ -64,13 +68,13 @@ LABEL org.opencontainers.image.title="tokenlane" \
       org.opencontainers.image.revision="${REVISION}"
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton compiles a small host-side launcher with the C compiler the first time a kernel
-# runs, so gcc and the Python headers stay in the final image whenever triton is installed.
-# On a CPU-only node the same gcc builds the C decode-attention kernel at start-up
-# (kernels/cpu_native.c, cached under $XDG_CACHE_HOME); without gcc the torch path runs.
+# runs, so gcc and the Python headers stay in the final image whenever triton is installed;
+# the CPU variant has no compiler. The native CPU kernels came prebuilt in the wheel (the
+# engine logs the level it loaded at start-up); libgomp1 is their OpenMP runtime.
 RUN compiler="" \
  && case ",${EXTRAS}," in *,triton,*) compiler="gcc libc6-dev python3-dev" ;; esac \
  && apt-get update \
- && apt-get install -y --no-install-recommends python3 ca-certificates ${compiler} \
+ && apt-get install -y --no-install-recommends python3 ca-certificates libgomp1 ${compiler} \
  && rm -rf /var/lib/apt/lists/*
 # The virtualenv's python is a link to the base's /usr/bin/python3, so the same base runs it.
 COPY --from=build /opt/tokenlane /opt/tokenlane

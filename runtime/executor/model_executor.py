@@ -143,6 +143,8 @@ class ModelExecutor:
         self.block_size = config.engine.block_size
         self.backend = resolve_backend(config.engine.attention_backend, self.device)
         self.cpu_threads = place_cpu_threads(config.engine.cpu_threads, self.device)
+        if self.device.type == "cpu":
+            log.info("%s", cpu_native.describe())  # which native library (level, path), or why none
         # engine.cpuBind: planned now (a CPU list this process may not use fails the start-up),
         # applied by the step loop's own thread (`pin_step_thread`): libgomp keeps an OpenMP
         # pool per calling thread, and a caller's thread of its own is not ours to pin.

@@ -135,6 +135,15 @@ def test_torch_is_the_pinned_cpu_build(runtime_container):
     assert result.stdout.strip() == f"{pin}+cpu"
 
 
+def test_the_image_has_no_c_compiler(runtime_container):
+    """The CPU variant carries no compiler: its native kernels came prebuilt in the wheel."""
+    result = runtime_container.run(
+        ["python", "-c", "import shutil; print([c for c in ('cc', 'gcc', 'clang', 'c99') if shutil.which(c)])"],
+        user="10001:10001")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_tiny_model_then_serve_answer_a_completion(runtime_container, rendered, tmp_path, images_report):
     from openai import OpenAI
 
@@ -178,6 +187,10 @@ def test_tiny_model_then_serve_answer_a_completion(runtime_container, rendered, 
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+    # The engine loaded a prebuilt native library (no compiler in the image to build one).
+    served_log = log.read_text()
+    assert "native CPU kernels loaded: level " in served_log and ", prebuilt, " in served_log, served_log[-4000:]
 
     choice = completion.choices[0]
     assert completion.model == served_name

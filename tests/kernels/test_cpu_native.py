@@ -1,8 +1,10 @@
-"""kernels/cpu_native.c (the CPU `backend="native"` decode and prefill kernels) against the
+"""kernels/csrc (the CPU `backend="native"` decode and prefill kernels) against the
 float64 dense reference and the torch reference: head sizes on the vector path (32, 64, 128)
 and off it (16, 80), GQA ratios 1-8 and one outside the fixed set (3), block sizes 1-32,
 float32 / bfloat16 / float16 caches, one and two threads, thousands of blocks; plus the
-launchers' checks and the build's fallback when there is no compiler.
+launchers' checks, and the developer build (TOKENLANE_NATIVE_JIT): its fallback when there is
+no compiler, its cache, its pthread fallback. tests/kernels/test_native_build.py checks the
+prebuilt libraries (the wheel's) and the choice of one for this CPU.
 
 The test caches hold NaN in every block no sequence owns and in the table padding
 (tests/kernels/conftest.py), so a read past a sequence's context shows up as NaN."""
@@ -17,12 +19,12 @@ import subprocess
 import pytest
 import torch
 
-from tokenlane.kernels import api, cpu_native
+from tokenlane.kernels import api, cpu_native, native_build
 from tokenlane.kernels.cpu_attention import paged_attention_cpu
 from tokenlane.kernels.reference import paged_attention_ref
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(),
-                                reason=f"no C compiler here: {cpu_native.load_error()}")
+                                reason=f"no native library here: {cpu_native.load_error()}")
 
 # (context length, query length): decodes of spread lengths (some not a multiple of 8, the
 # vector path's token chunk, or of the block size), chunks with cached context, a fresh chunk,
@@ -253,12 +255,29 @@ def test_launcher_rejects_bad_inputs(kcase):
         q, k, v, tables, case.seq_lens, case.query_start_loc, case.scale))
 
 
-def test_no_compiler_falls_back_to_torch_with_the_reason(monkeypatch, tmp_path):
-    """Without a working compiler `auto` keeps the torch path and `native` is refused with
-    the compiler's reason; a fresh cache directory is used (no stale library found)."""
+def fresh_load(monkeypatch, jit: bool) -> None:
+    """The next `load()` starts over: the developer build (TOKENLANE_NATIVE_JIT) or the prebuilt
+    library; monkeypatch puts the loaded library back afterwards."""
     monkeypatch.setattr(cpu_native, "_tried", False)
     monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setattr(cpu_native, "_library", None)
     monkeypatch.setattr(cpu_native, "_load_error", None)
+    if jit:
+        monkeypatch.setenv(cpu_native.JIT_ENV, "1")
+    else:
+        monkeypatch.delenv(cpu_native.JIT_ENV, raising=False)
+
+
+def needs_compiler():
+    if native_build.compiler_version(native_build.compiler()) is None:
+        pytest.skip(f"no C compiler here ({native_build.compiler()!r}): the developer build needs one")
+
+
+def test_no_compiler_falls_back_to_torch_with_the_reason(monkeypatch, tmp_path):
+    """The developer build without a working compiler: `auto` keeps the torch path and `native`
+    is refused with the compiler's reason; a fresh cache directory is used (no stale library
+    found)."""
+    fresh_load(monkeypatch, jit=True)
     monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     monkeypatch.setattr(cpu_native.tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -267,20 +286,22 @@ def test_no_compiler_falls_back_to_torch_with_the_reason(monkeypatch, tmp_path):
     assert "no C compiler" in cpu_native.load_error()
     cpu = torch.device("cpu")
     assert api.resolve_backend("auto", cpu) == "torch"
-    with pytest.raises(ValueError, match="could not be built here"):
+    with pytest.raises(ValueError, match="is not available here"):
         api.resolve_backend("native", cpu)
 
 
 def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
-    """A fresh cache directory gets one library named by the key; a second load reuses it."""
-    monkeypatch.setattr(cpu_native, "_tried", False)
-    monkeypatch.setattr(cpu_native, "_loaded", None)
+    """The developer build: a fresh cache directory gets one library named by the key; a
+    second load reuses it."""
+    needs_compiler()
+    fresh_load(monkeypatch, jit=True)
     monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
-    assert cpu_native.available()
+    assert cpu_native.available(), cpu_native.load_error()
+    assert cpu_native.loaded_library().jit and cpu_native.loaded_library().level == "native"
     built = sorted(p.name for p in (tmp_path / "native").iterdir())
     assert len(built) == 1 and built[0].startswith("cpu_native-") and built[0].endswith(".so")
     mtime = (tmp_path / "native" / built[0]).stat().st_mtime_ns
-    monkeypatch.setattr(cpu_native, "_tried", False)
+    fresh_load(monkeypatch, jit=True)
     assert cpu_native.available()
     assert (tmp_path / "native" / built[0]).stat().st_mtime_ns == mtime
     assert sorted(p.name for p in (tmp_path / "native").iterdir()) == built
@@ -290,11 +311,13 @@ def test_the_kernel_threads_are_the_callers_openmp_team():
     """Built with OpenMP, the kernel runs on the caller's OpenMP team: with torch in the process,
     torch's own thread pool (one libgomp mapped), not threads of its own that would share the
     cores with torch's spinning workers."""
-    probe = subprocess.run([cpu_native._compiler(), "-fopenmp", "-x", "c", "-", "-o", "/dev/null"],
-                           input="int main(void) { return 0; }", capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"this compiler has no OpenMP (the kernel uses its pthread fallback): {probe.stderr[-300:]}")
-    needed = subprocess.run(["ldd", str(cpu_native._build())], capture_output=True, text=True).stdout
+    library = cpu_native.loaded_library()
+    if not library.jit:
+        built = native_build.read_manifest()["levels"][library.level]
+        if not built["openmp"]:
+            pytest.skip(f"{library.level} was built without OpenMP (the kernel uses its pthread fallback): "
+                        f"{' '.join(built['flags'])}")
+    needed = subprocess.run(["ldd", str(library.path)], capture_output=True, text=True).stdout
     assert "gomp" in needed
     assert cpu_native.available()
     maps = {line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line.split()[-1]}
@@ -304,9 +327,9 @@ def test_the_kernel_threads_are_the_callers_openmp_team():
 def test_without_openmp_the_pthread_build_gives_the_same_results(monkeypatch, tmp_path, kcase):
     """A compiler that refuses -fopenmp: the build falls back to the kernel's own pthreads (the
     launcher's other branch), with the same results on two threads."""
-    monkeypatch.setattr(cpu_native, "FLAGS", cpu_native.FLAGS + ("-fno-such-option-here",))
-    monkeypatch.setattr(cpu_native, "_tried", False)
-    monkeypatch.setattr(cpu_native, "_loaded", None)
+    needs_compiler()
+    monkeypatch.setattr(native_build, "OPENMP_FLAGS", native_build.OPENMP_FLAGS + ("-fno-such-option-here",))
+    fresh_load(monkeypatch, jit=True)
     monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
     assert cpu_native.available(), cpu_native.load_error()
     built = list((tmp_path / "native").iterdir())
@@ -325,7 +348,7 @@ def test_the_built_kernel_keeps_its_prefetches():
     """The decode kernel prefetches each next block of the scattered pool. GCC deleted every
     call of the prefetch helper while it was an ordinary inline function (a function whose only
     effect is a prefetch counts as free of side effects), silently."""
-    text = subprocess.run(["objdump", "-d", str(cpu_native._build())], capture_output=True, text=True,
+    text = subprocess.run(["objdump", "-d", str(cpu_native.loaded_library().path)], capture_output=True, text=True,
                           check=True).stdout
     kept = "prefetch" in text
     assert kept, "the built library has no prefetch instruction"
@@ -754,14 +777,15 @@ def test_bf16_panel_linear_matches_float64(rows, k, n, with_bias):
 
 def test_bf16_panel_linear_without_native_bf16_widens_the_weights(monkeypatch, tmp_path):
     """The build for a CPU without AVX512-BF16 (forced with -mno-avx512bf16 where it has it):
-    [K][width] panels widened to float32 as they are read, the same results."""
-    probe = subprocess.run([cpu_native._compiler(), "-mno-avx512bf16", "-x", "c", "-", "-o", "/dev/null"],
+    [K][width] panels widened to float32 as they are read, the same results. (The prebuilt
+    x86-64-v4 library is that build too: tests/kernels/test_native_build.py runs it.)"""
+    needs_compiler()
+    probe = subprocess.run([native_build.compiler(), "-mno-avx512bf16", "-x", "c", "-", "-o", "/dev/null"],
                            input="int main(void) { return 0; }", capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"this compiler does not take -mno-avx512bf16: {probe.stderr[-300:]}")
-    monkeypatch.setattr(cpu_native, "FLAGS", cpu_native.FLAGS + ("-mno-avx512bf16",))
-    monkeypatch.setattr(cpu_native, "_tried", False)
-    monkeypatch.setattr(cpu_native, "_loaded", None)
+    monkeypatch.setattr(cpu_native, "JIT_FLAGS", cpu_native.JIT_FLAGS + ("-mno-avx512bf16",))
+    fresh_load(monkeypatch, jit=True)
     monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
     assert cpu_native.available(), cpu_native.load_error()
     assert not cpu_native.panel_bf16_pairs()

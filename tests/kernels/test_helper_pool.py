@@ -1,4 +1,4 @@
-"""The C helper pool (kernels/cpu_native.c, "the helper pool"; `cpu_native.pool_step`): in a pool
+"""The C helper pool (kernels/csrc/pool.c, "the helper pool"; `cpu_native.pool_step`): in a pool
 step the decode attention, prefill attention and panel kernels share their items with helper
 threads instead of torch's OpenMP team. Each item is computed the same way whichever thread
 claims it, so every kernel's result is bitwise the OpenMP team's (and one thread's); the pool
@@ -22,7 +22,7 @@ from tokenlane.kernels import cpu_native
 from tokenlane.kernels.cpu_attention import paged_attention_cpu
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(),
-                                reason=f"no C compiler here: {cpu_native.load_error()}")
+                                reason=f"no native library here: {cpu_native.load_error()}")
 
 
 @pytest.fixture(autouse=True)
