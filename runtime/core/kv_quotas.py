@@ -2,22 +2,28 @@
 
 A lane's `maxKvCacheShare` caps the blocks its requests hold; its `kvCacheReserved` is a
 share of the pool that the other lanes may not allocate into while the lane holds less than
-it. Both are counted in block-table entries (a prefix block shared by two requests counts for
-each holder: never under-counted). With `T` blocks in the pool, for every lane `L`:
+it. The cap is counted in block-table entries (`held`: a prefix block shared by two requests
+counts for each holder, never under-counted); the reserve in the blocks only the lane's
+requests hold (`owned`: a block shared with another lane stays taken when the lane lets go of
+it, so it cannot stand in for a free block of the reserve). With `T` blocks in the pool, for
+every lane `L`:
 
     cap(L)     = floor(maxKvCacheShare(L) x T)
     reserve(L) = floor(kvCacheReserved(L) x T)
-    unmet(L)   = max(0, reserve(L) - held(L))
+    unmet(L)   = max(0, reserve(L) - owned(L))
     room(L)    = min(free - sum of unmet(M) over the other lanes M, cap(L) - held(L))
 
-and a lane only allocates within its room, so `free >= sum of unmet` holds at every step
-(the reserves are free whenever their lanes may want them). The high watermark is applied to
+and a lane only allocates within its room (a prefix hit on a block only another lane holds
+counts as taking what that lane's unmet reserve grows by), so `free >= sum of unmet` holds at
+every step, and after any request lets go of its blocks (the reserves are free whenever
+their lanes may want them). The high watermark is applied to
 each lane against its own capacity (`usage_of`), and a lane still inside its reserve ignores
 it: that is what lets the interactive lane keep starting prefills while the long-context lane
 sits above the watermark (docs/tuning.md, "Lane isolation").
 
-Pure Python; the scheduler owns one and tells it every allocation (`charge`) and release
-(`release`); `recount` rebuilds the books from the running set once per step.
+Pure Python; the KV allocator (kv_allocator.py) keeps the books: it records every block-table
+entry it adds (`take`) and every one it lets go (`drop`), so they stay exact without a
+recount (`recount` only re-books the holders after a reload).
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ class LaneKVQuotas:
         self.cap: dict[str, int] = {}  # lane -> most blocks it may hold
         self.reserve: dict[str, int] = {}  # lane -> blocks kept for it
         self.held: dict[str, int] = {}  # lane -> block-table entries of its requests
+        self.owned: dict[str, int] = {}  # lane -> blocks no other lane's request holds
         self.active = False  # some lane has a cap below the pool or a reserve
+        # block id -> lane -> block-table entries of that lane holding it
+        self._block_lanes: dict[int, dict[str, int]] = {}
 
     def configure(self, budgets: Mapping[str, LaneBudgets]) -> None:
         """Take the lanes' shares (hot reload); held counts of known lanes stay."""
@@ -43,26 +52,73 @@ class LaneKVQuotas:
         self.cap = {name: math.floor(b.max_kv_cache_share * total + 1e-9) for name, b in budgets.items()}
         self.reserve = {name: math.floor(b.kv_cache_reserved * total + 1e-9) for name, b in budgets.items()}
         self.held = {name: self.held.get(name, 0) for name in budgets}
+        self.owned = {name: self.owned.get(name, 0) for name in budgets}
         self.active = any(c < total for c in self.cap.values()) or any(self.reserve.values())
 
     # ---- books
 
-    def recount(self, running: Iterable[Request]) -> None:
-        held = dict.fromkeys(self.held, 0)
-        for request in running:
-            held[request.lane] = held.get(request.lane, 0) + len(request.block_ids)
-        self.held = held
+    def recount(self, holders: Iterable[Request]) -> None:
+        """Rebuild the books from the requests holding blocks, under their current lanes."""
+        self.held = dict.fromkeys(self.held, 0)
+        self.owned = dict.fromkeys(self.held, 0)
+        self._block_lanes = {}
+        for request in holders:
+            self.take(request.lane, request.block_ids)
 
-    def charge(self, lane: str, num_blocks: int) -> None:
-        self.held[lane] = self.held.get(lane, 0) + num_blocks
+    def take(self, lane: str, block_ids: Iterable[int]) -> None:
+        """Block-table entries added to a request of `lane`."""
+        held, owned, block_lanes = self.held, self.owned, self._block_lanes
+        for block_id in block_ids:
+            held[lane] = held.get(lane, 0) + 1
+            lanes = block_lanes.get(block_id)
+            if lanes is None:
+                block_lanes[block_id] = {lane: 1}
+                owned[lane] = owned.get(lane, 0) + 1
+            elif lane in lanes:
+                lanes[lane] += 1
+            else:
+                if len(lanes) == 1:  # it was the other lane's alone
+                    (only,) = lanes
+                    owned[only] -= 1
+                lanes[lane] = 1
 
-    def release(self, lane: str, num_blocks: int) -> None:
-        self.held[lane] = self.held.get(lane, 0) - num_blocks
+    def drop(self, lane: str, block_ids: Iterable[int]) -> None:
+        """Block-table entries a request of `lane` let go of."""
+        held, owned, block_lanes = self.held, self.owned, self._block_lanes
+        for block_id in block_ids:
+            held[lane] -= 1
+            lanes = block_lanes[block_id]
+            left = lanes[lane] - 1
+            if left:
+                lanes[lane] = left
+                continue
+            del lanes[lane]
+            if not lanes:
+                del block_lanes[block_id]
+                owned[lane] -= 1
+            elif len(lanes) == 1:  # now the remaining lane's alone
+                (only,) = lanes
+                owned[only] = owned.get(only, 0) + 1
+
+    def unmet_growth_of_sharing(self, lane: str, block_ids: Iterable[int]) -> int:
+        """How much the other lanes' unmet reserves grow if `lane` takes prefix hits on these
+        blocks: a block only another lane held stops counting for that lane's reserve."""
+        taken: dict[str, int] = {}
+        for block_id in block_ids:
+            lanes = self._block_lanes.get(block_id)
+            if lanes is not None and len(lanes) == 1 and lane not in lanes:
+                (only,) = lanes
+                taken[only] = taken.get(only, 0) + 1
+        growth = 0
+        for other, n in taken.items():
+            reserve, owned = self.reserve.get(other, 0), self.owned.get(other, 0)
+            growth += max(0, reserve - (owned - n)) - max(0, reserve - owned)
+        return growth
 
     # ---- queries
 
     def unmet(self, lane: str) -> int:
-        return max(0, self.reserve.get(lane, 0) - self.held.get(lane, 0))
+        return max(0, self.reserve.get(lane, 0) - self.owned.get(lane, 0))
 
     def reserved_for_others(self, lane: str) -> int:
         """Free blocks `lane` must leave alone: the other lanes' unmet reserves."""
@@ -101,15 +157,19 @@ class LaneKVQuotas:
     # ---- checks
 
     def check_invariants(self, running: Iterable[Request], num_free: int) -> None:
-        """With shares in force: held counts equal a recount, no lane above its cap, every
-        unmet reserve free."""
-        if not self.active:
-            return
-        held: dict[str, int] = {}
-        for request in running:
-            held[request.lane] = held.get(request.lane, 0) + len(request.block_ids)
+        """Held and owned counts equal a recount; with shares in force, no lane above its cap
+        and every unmet reserve free."""
+        recount = LaneKVQuotas(self.num_blocks)
+        recount.held = dict.fromkeys(self.held, 0)
+        recount.recount(running)
+        held = recount.held
         for lane in set(held) | set(self.held):
             assert held.get(lane, 0) == self.held.get(lane, 0), (lane, held.get(lane, 0), self.held.get(lane, 0))
+        for lane in set(recount.owned) | set(self.owned):
+            assert recount.owned.get(lane, 0) == self.owned.get(lane, 0), ("owned", lane)
+        assert recount._block_lanes == self._block_lanes
+        if not self.active:
+            return
         for lane, n in held.items():  # (shared prefix blocks count per holder: only real caps bind)
             cap = self.cap.get(lane, self.num_blocks)
             assert cap >= self.num_blocks or n <= cap, f"lane {lane} holds {n} > cap {cap}"

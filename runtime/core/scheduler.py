@@ -3,13 +3,17 @@
 Every step re-selects the working set from scratch:
 
 1. Requests whose queue timeout or deadline passed are finished (their blocks freed).
-2. Running requests get their tokens, in rank order (higher lane priority, then older first):
-   decode-first serves every running decode before any prefill chunk; `mixed` serves the
-   running set in rank order whatever phase each request is in. A request that needs a new
-   KV block and finds none preempts (by recompute) the lowest-ranked running request not yet
-   scheduled in this step: lowest lane priority, then newest. The highest-ranked request can
-   always progress (admission refuses requests the whole pool cannot hold), so there is no
-   livelock.
+2. Running requests get their tokens, in rank order (higher lane priority, then older first),
+   by one rule for decodes and prefill chunks alike (`_serve`): n = min(the tokens it has
+   left to compute, its lane's prefillChunkSize, the step's and the lane's token budgets),
+   capped by the step-time budget; its blocks come from one allocator call (kv_allocator.py),
+   which checks and charges the lane's KV shares. Decode-first serves every running decode
+   before any prefill chunk; `mixed` serves the running set in rank order whatever phase
+   each request is in. A request that needs KV blocks and finds none preempts (by
+   recompute) the lowest-ranked running request not yet scheduled in this step: lowest lane
+   priority, then newest; if none is left, a decode gives way itself and a prefill chunk
+   shrinks to the room there is. The highest-ranked request can always progress (admission
+   refuses requests the whole pool cannot hold), so there is no livelock.
 3. Waiting requests start, chunk by chunk (at most the lane's prefillChunkSize), while the
    step's token budget, maxActiveSequences, the lane's caps and the KV high watermark allow
    (none in a step that had to preempt: memory is short, and a just-evicted request must
@@ -17,7 +21,8 @@ Every step re-selects the working set from scratch:
    admission for the step (no skipping ahead of it).
    Lanes are served by priority, then by weighted fair share (the lane with the smallest
    `tokens served / weight` first); a lane that had startable work but got nothing for
-   `starvation_steps` steps in a row goes first once, so no lane with work starves.
+   `starvation_steps` steps in a row goes first once, so no lane with work starves
+   (`LaneOrder`, sched_policies.py).
    Inside a lane: weighted fair share among its tenants (the tenant with the fewest tokens
    served / weight first, runtime/core/lanes.py), then earliest deadline, request priority and
    arrival within a tenant.
@@ -43,6 +48,10 @@ starts until every member of the batch has finished. On a lane (lane key
 `continuousBatching: false`) the same holds per lane: when the lane's running set has drained,
 the requests then waiting (up to the lane's maxActiveSequences) form its next batch, and its
 later arrivals wait for the batch after; the other lanes keep continuous batching.
+
+The policies (lane order, the step-time budget, engine-wide and per-lane static batching,
+parallel sampling's start rule) are small objects in sched_policies.py, each with its own
+property test (tests/runtime/test_sched_policies.py); this module applies them.
 """
 
 from __future__ import annotations
@@ -52,28 +61,23 @@ import heapq
 import itertools
 import math
 import time
-from collections import deque
 from typing import Callable, Optional
 
 from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.core.kv_allocator import LaneKVAllocator
 from tokenlane.runtime.core.kv_cache import KVCacheManager
 from tokenlane.runtime.core.kv_quotas import LaneKVQuotas
 from tokenlane.runtime.core.lanes import Lane
-from tokenlane.runtime.core.step_plan import ExecutorOutput, ScheduledChunk, StepPlan
 from tokenlane.runtime.core.request import Request, RequestStatus
-from tokenlane.runtime.core.step_cost import StepCostModel, StepTimeBudget
-
-# stepTimeBudget: the step's cap is this share of the tightest TPOT target of the running
-# lanes (headroom for the cost model's error); a prefill chunk the cap shortens keeps at least
-# CAPPED_PREFILL_FLOOR tokens when it is the step's first, so prefills always progress.
-STEP_BUDGET_SHARE = 0.85
-CAPPED_PREFILL_FLOOR = 32
-# A lane without a TPOT target lets its decodes wait at most this long for the cap.
-UNTARGETED_DECODE_WAIT_S = 1.0
-# While a higher-priority lane has prefill work, a lower-priority lane's prefill chunk adds at
-# most this share of the cap to the step (the higher-priority prompts' steps stay short), but
-# keeps CAPPED_PREFILL_FLOOR tokens (so it never starves).
-YIELDING_PREFILL_SHARE = 0.0
+from tokenlane.runtime.core.sched_policies import (
+    LaneBatches,
+    LaneOrder,
+    ParallelSampling,
+    StaticBatch,
+    StepTimePolicy,
+)
+from tokenlane.runtime.core.step_cost import StepCostModel
+from tokenlane.runtime.core.step_plan import ExecutorOutput, ScheduledChunk, StepPlan
 
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
@@ -96,7 +100,7 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len  # finish with LENGTH when prompt + output reach it
         self.static_batching = not config.engine.continuous_batching
-        self.starvation_steps = starvation_steps
+        self.lane_order = LaneOrder(starvation_steps)
         self.config = config
         self.lanes: dict[str, Lane] = {}
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -108,16 +112,10 @@ class Scheduler:
         self.num_running = 0
         self._rank_seq = itertools.count()
         self._deadlines: list[tuple] = []  # (deadline, seq, request), lazily cleaned
-        # Static batching: the current batch's ids, and its members not yet started.
-        self._batch: set[str] = set()
-        self._batch_waiting: deque[Request] = deque()
-        # Per-lane count of `_batch_waiting`, readable from other threads without iterating.
-        self._batch_waiting_per_lane: dict[str, int] = {}
-        # Per-lane static batching: lane -> [arrival seq the batch opened at, starts left],
-        # and the arrival seq of each queued request of such a lane (unknown = older).
-        self._lane_batches: dict[str, list[int]] = {}
-        self._static_lane_arrivals: dict[str, int] = {}
-        self._arrival_seq = itertools.count()
+        # Static batching (engine-wide): the current batch and its members not yet started.
+        self.batch = StaticBatch()
+        self.lane_batches = LaneBatches()  # per-lane static batching
+        self.parallel_sampling = ParallelSampling()
         # Requests finished since the last plan: the executor drops their state.
         self._finished_for_executor: list[Request] = []
         # Requests finished since the engine last drained them (engine emits final outputs).
@@ -126,15 +124,25 @@ class Scheduler:
         # Lane name -> requests started running in the last `schedule()` (for step stats).
         self.last_started: dict[str, int] = {}
         # Lanes' KV shares (maxKvCacheShare, kvCacheReserved); enforced by preemption at the
-        # first step after a reload changed them.
+        # first step after a reload changed them. Every block a request takes or gives back
+        # goes through the allocator, which keeps the shares' books with it.
         self.quotas = LaneKVQuotas(num_kv_blocks)
+        self.allocator = LaneKVAllocator(self.kv, self.quotas)
         self._quotas_changed = False
-        # stepTimeBudget: the cost model, fitted from measured steps, and this step's budget.
+        # stepTimeBudget: the cost model, fitted from measured steps, and the policy applying it.
         self.step_cost = StepCostModel()
-        self._step_budget = StepTimeBudget(self.step_cost, None)
+        self.step_time = StepTimePolicy(self.step_cost)
         self.num_time_capped_steps = 0
-        self._step_index = 0
         self.apply_config(config)
+
+    @property
+    def starvation_steps(self) -> int:
+        """Rounds a lane with startable work may get nothing before it goes first once."""
+        return self.lane_order.starvation_steps
+
+    @starvation_steps.setter
+    def starvation_steps(self, steps: int) -> None:
+        self.lane_order.starvation_steps = steps
 
     # ------------------------------------------------------------------ config
 
@@ -156,11 +164,7 @@ class Scheduler:
                 lane.reconfigure(lane_config, budgets)
             lanes[lane.name] = lane
         self.lanes = lanes  # one assignment: readers on other threads see old or new, whole
-        self._lane_batches = {
-            name: batch
-            for name, batch in self._lane_batches.items()
-            if name in lanes and not lanes[name].config.continuous_batching
-        }
+        self.lane_batches.keep_lanes({name for name, lane in lanes.items() if not lane.config.continuous_batching})
         default = lanes[config.default_lane.name]
         for gone in old.values():  # lanes removed by the reload
             for request in gone.waiting_requests():
@@ -170,17 +174,13 @@ class Scheduler:
         for request in self.requests.values():
             if request.lane not in self.lanes:
                 request.lane = default.name
-        counts: dict[str, int] = {}
-        for request in self._batch_waiting:
-            counts[request.lane] = counts.get(request.lane, 0) + 1
-        self._batch_waiting_per_lane = counts
+        self.batch.recount()
         self._rerank()
-        quotas = self.quotas
         shares = {name: (lane.budgets.max_kv_cache_share, lane.budgets.kv_cache_reserved) for name, lane in lanes.items()}
         self._quotas_changed = shares != getattr(self, "_kv_shares", None)
         self._kv_shares = shares
-        quotas.configure({name: lane.budgets for name, lane in lanes.items()})
-        quotas.recount(self.running)  # running requests of a removed lane moved lanes
+        # (re-books the block holders: running requests of a removed lane moved lanes)
+        self.allocator.configure({name: lane.budgets for name, lane in lanes.items()}, self.running)
 
     # ------------------------------------------------------------------ queries
 
@@ -189,29 +189,22 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return sum(lane.num_waiting for lane in self.lanes.values()) + len(self._batch_waiting)
+        return sum(lane.num_waiting for lane in self.lanes.values()) + len(self.batch.waiting)
 
     def num_waiting_in(self, lane_name: str) -> int:
         lane = self.lanes.get(lane_name)
         n = lane.num_waiting if lane is not None else 0
-        return n + self._batch_waiting_per_lane.get(lane_name, 0)
+        return n + self.batch.waiting_per_lane.get(lane_name, 0)
 
     def time_capped_last_step(self, lane_name: str) -> bool:
         """Whether the step-time budget shortened or skipped the lane's work in the step
         planned last."""
         lane = self.lanes.get(lane_name)
-        return lane is not None and lane.last_capped_step == self._step_index - 1
+        return lane is not None and lane.last_capped_step == self.step_time.step_index - 1
 
     def kv_blocks_held(self) -> dict[str, int]:
-        """KV block-table entries held per lane (engine thread: a recount without KV shares,
-        whose books are only kept exact while shares are in force)."""
-        if self.quotas.active:
-            return dict(self.quotas.held)
-        held = dict.fromkeys(self.lanes, 0)
-        for request in self.running:
-            if request.status is RUNNING:
-                held[request.lane] = held.get(request.lane, 0) + len(request.block_ids)
-        return held
+        """KV block-table entries held per lane (the allocator's books, exact at all times)."""
+        return dict(self.quotas.held)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -228,7 +221,7 @@ class Scheduler:
             lane = self.lanes[request.lane]
             lane.push(request)
             if not lane.config.continuous_batching:
-                self._static_lane_arrivals[request.request_id] = next(self._arrival_seq)
+                self.lane_batches.arrived(request)
         if request.deadline is not None:
             deadlines = self._deadlines
             heapq.heappush(deadlines, (request.deadline, next(self._rank_seq), request))
@@ -247,16 +240,11 @@ class Scheduler:
             lane.num_running -= 1
             self.num_running -= 1
             self._remove_running(request)
-            self.quotas.release(request.lane, len(request.block_ids))
-        elif not lane.remove(request) and request.request_id in self._batch:
-            try:
-                self._batch_waiting.remove(request)
-                self._count_batch_waiting(request.lane, -1)
-            except ValueError:
-                pass
-        self._batch.discard(request.request_id)
-        self._static_lane_arrivals.pop(request.request_id, None)
-        self.kv.free(request)
+            self.batch.leave(request, was_waiting=False)
+        elif not lane.remove(request):
+            self.batch.leave(request, was_waiting=True)
+        self.lane_batches.forget(request)
+        self.allocator.free(request)
         request.finish(status, detail, now=self.clock())
         del self.requests[request.request_id]
         if request.first_scheduled_time is not None:
@@ -280,141 +268,122 @@ class Scheduler:
         plan = StepPlan()
         if self._finished_for_executor:
             plan.finished = self._finished_for_executor
-        if self.quotas.active:
-            self.quotas.recount(self.running)
         if self._quotas_changed:
             self._enforce_kv_quotas(plan)
         quota_preemptions = len(plan.preempted)
-        budget = self._step_budget = StepTimeBudget(self.step_cost, self._step_cap_s())
+        budget = self.step_time.begin_step(self.sched.step_time_budget == "auto", self.lanes.values())
         timed = budget.active
         if timed:
             budget.prefill_priority = self._prefill_priority([])
         sched = self.sched
-        kv = self.kv
-        bs = self.block_size
         token_budget = sched.max_batched_tokens
         lanes = self.lanes
         for lane in lanes.values():
             lane.tokens_left = lane.budgets.max_batched_tokens
         scheduled: set[str] = set()
-        scheduled_add = scheduled.add
-        mixed = sched.policy == "mixed"
-        decodes: list[ScheduledChunk] = []
-        decodes_append = decodes.append
-        # `mixed` keeps one list in rank order; decode-first appends prefills after decodes.
-        prefills: list[ScheduledChunk] = decodes if mixed else []
+        # One list in batch order: `mixed` serves the running set in rank order; decode-first
+        # serves its decodes in rank order, then its prefill chunks; starts come last.
+        chunks: list[ScheduledChunk] = []
 
-        # --- running requests: decodes (and, for `mixed`, prefills) in rank order
-        later_prefills: list[tuple[int, Request]] = []
-        running = self.running
-        for index, request in enumerate(running):
+        # --- the running set, in rank order: one rule for decodes and prefill chunks
+        decode_first = sched.policy != "mixed"
+        prefills_after_decodes: list[tuple[int, Request]] = []
+        for index, request in enumerate(self.running):
             if request.status is not RUNNING or request.awaits_fork:
                 continue  # preempted earlier in this loop, or a follower not forked yet
-            computed = request.num_computed_tokens
-            remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
-            if remaining == 1:  # a decode
-                lane = lanes[request.lane]
-                if lane.tokens_left < 1 or token_budget < 1:
-                    continue
-                if timed:
-                    if not budget.fits(computed, 1) and self._may_skip_decode(request, lane, now, budget):
-                        budget.capped = True
-                        lane.time_capped_steps += lane.last_capped_step != self._step_index
-                        lane.last_capped_step = self._step_index
-                        continue
-                    budget.add(computed, 1)
-                if computed >= len(request.block_ids) * bs:  # needs one more block
-                    if not self._fits(1, request.lane) and not self._make_room(
-                        1, index, scheduled, plan, lane=request.lane
-                    ):
-                        self._preempt(request, plan)
-                        continue
-                    kv.append_block(request)
-                    self.quotas.charge(request.lane, 1)
-                elif request.group is not None and kv.is_shared(request.block_ids[computed // bs]):
-                    # Parallel sampling: its block is shared with its group: copy on write.
-                    if not self._fits(1, request.lane) and not self._make_room(
-                        1, index, scheduled, plan, lane=request.lane
-                    ):
-                        self._preempt(request, plan)
-                        continue
-                    if kv.is_shared(request.block_ids[computed // bs]):  # room made by evicting a sibling?
-                        plan.block_copies.append(kv.copy_on_write(request, computed // bs))
-                decodes_append(ScheduledChunk(request, computed, 1, True))
-                scheduled_add(request.request_id)
-                lane.tokens_left -= 1
-                token_budget -= 1
-            elif mixed:
-                token_budget -= self._schedule_prefill(
-                    index, request, lanes[request.lane], token_budget, scheduled, prefills, plan
-                )
-            else:
-                later_prefills.append((index, request))
-        if timed:
-            budget.prefill_priority = max(budget.prefill_priority, self._prefill_priority(later_prefills))
-        for index, request in later_prefills:
-            if request.status is not RUNNING:
+            if decode_first and len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens > 1:
+                prefills_after_decodes.append((index, request))
                 continue
-            token_budget -= self._schedule_prefill(
-                index, request, lanes[request.lane], token_budget, scheduled, prefills, plan
-            )
+            token_budget -= self._serve(index, request, token_budget, scheduled, chunks, plan, now)
+        if timed:
+            budget.prefill_priority = max(budget.prefill_priority, self._prefill_priority(prefills_after_decodes))
+        for index, request in prefills_after_decodes:
+            if request.status is RUNNING:
+                token_budget -= self._serve(index, request, token_budget, scheduled, chunks, plan, now)
         for lane in lanes.values():  # the running requests' share, for fair-share clocks
             served = lane.budgets.max_batched_tokens - lane.tokens_left
             if served:
-                lane.vtime += served / lane.config.weight
-                lane.served_tokens += served
+                LaneOrder.charge(lane, served)
 
         # --- waiting requests start (not in a step that had to preempt: memory is short)
-        self._catch_up_idle_lanes()
+        LaneOrder.catch_up_idle(lanes.values())
         if len(plan.preempted) == quota_preemptions:
-            token_budget = self._admit(token_budget, scheduled, prefills, plan, now)
+            token_budget = self._admit(token_budget, scheduled, chunks, plan, now)
 
-        if not mixed:
-            decodes.extend(prefills)  # batch order: decodes, then prefill chunks
-        plan.chunks = decodes
+        plan.chunks = chunks
         plan.num_batched_tokens = sched.max_batched_tokens - token_budget
         if plan.chunks:
             self._finished_for_executor = []
         if budget.capped:
             self.num_time_capped_steps += 1
-        self._step_index += 1
+        self.step_time.end_step()
         return plan
 
-    def _schedule_prefill(
+    def _serve(
         self,
         index: int,
         request: Request,
-        lane: Lane,
         token_budget: int,
         scheduled: set[str],
-        prefills: list[ScheduledChunk],
+        chunks: list[ScheduledChunk],
         plan: StepPlan,
+        now: float,
     ) -> int:
-        """Next prefill chunk of a running request; returns the tokens it took."""
-        remaining = request.num_tokens - request.num_computed_tokens
-        n = min(remaining, lane.budgets.prefill_chunk_size, token_budget, lane.tokens_left)
-        n = self._chunk_in_time(lane, request.num_computed_tokens, n)
+        """Schedule the next chunk of running request `running[index]`, a decode or a prefill
+        chunk alike: n = min(its remaining tokens, its lane's chunk size, the step's and the
+        lane's token budgets), capped by the step-time budget; its blocks come from one
+        allocator call, after preempting lower-ranked requests if the lane lacks room.
+        Returns n (0: nothing scheduled; a decode that cannot grow was preempted)."""
+        lane = self.lanes[request.lane]
+        start = request.num_computed_tokens
+        remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - start
+        is_decode = remaining == 1
+        if is_decode:  # (the same min, spelled out for the most common case)
+            n = 1 if token_budget >= 1 and lane.tokens_left >= 1 else 0
+        else:
+            n = min(remaining, lane.budgets.prefill_chunk_size, token_budget, lane.tokens_left)
         if n <= 0:
             return 0
-        kv = self.kv
-        need = kv.num_blocks_to_allocate(request, n)
-        if not self._fits(need, request.lane) and not self._make_room(
-            need, index, scheduled, plan, lane=request.lane
-        ):
-            # Take what fits rather than nothing (the chunk shrinks to the lane's room).
-            room = (len(request.block_ids) + self._room(request.lane)) * self.block_size
-            n = min(n, room - request.num_computed_tokens)
+        step_time = self.step_time
+        budget = step_time.budget
+        if not is_decode:
+            n = step_time.chunk(lane, start, n)
             if n <= 0:
                 return 0
-        held = len(request.block_ids)
-        kv.allocate(request, n)
-        self.quotas.charge(request.lane, len(request.block_ids) - held)
-        self._step_budget.add(request.num_computed_tokens, n)
-        start = request.num_computed_tokens
-        prefills.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
+        elif budget.cap_s is not None:  # the step-time budget is on
+            if step_time.may_skip_decode(request, lane, now):
+                budget.capped = True
+                step_time.note_capped(lane)
+                return 0
+            budget.add(start, 1)
+        # Most steps of a request need no new block (a decode inside its last block): the
+        # allocator is only called when the table grows, or a shared block must be copied.
+        if start + n > len(request.block_ids) * self.block_size or request.group is not None:
+            allocator = self.allocator
+            need = allocator.blocks_needed(request, n)
+            if need and not self._room_for(need, index, lane.name, scheduled, plan):
+                if is_decode:
+                    self._preempt(request, plan)  # nothing lower-ranked to evict: it gives way
+                    return 0
+                # Take what fits rather than nothing (the chunk shrinks to the lane's room).
+                n = min(n, allocator.tokens_in_room(request, lane.name) - start)
+                if n <= 0:
+                    return 0
+            # (a parallel-sampling sequence writing into a block its group shares gets its copy here)
+            blocks = allocator.allocate(request, n, lane.name, block_copies=plan.block_copies)
+            assert blocks is not None, (request.request_id, n)
+        if not is_decode:
+            budget.add(start, n)
+        chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
         scheduled.add(request.request_id)
         lane.tokens_left -= n
         return n
+
+    def _room_for(self, num_blocks: int, index: int, lane_name: str, scheduled: set[str], plan: StepPlan) -> bool:
+        """Whether the lane may take `num_blocks` now, preempting lower-ranked requests for them."""
+        return self.allocator.fits(num_blocks, lane_name) or self._make_room(
+            num_blocks, index, scheduled, plan, lane=lane_name
+        )
 
     def _make_room(
         self, num_blocks: int, index: int, scheduled: set[str], plan: StepPlan, lane: Optional[str] = None
@@ -424,21 +393,17 @@ class Scheduler:
         that is not possible. With KV shares, a victim of another lane inside its reserve
         frees nothing `lane` may take, so it is spared."""
         running = self.running
-        quotas = self.quotas
-        spare_reserves = lane is not None and quotas.active
+        allocator = self.allocator
+        spare_reserves = lane is not None and self.quotas.active
         victim_index = len(running) - 1
-        while not self._fits(num_blocks, lane):
+        while not allocator.fits(num_blocks, lane):
             while victim_index > index:
                 victim = running[victim_index]
                 if (
                     victim.status is RUNNING
                     and victim.request_id not in scheduled
                     and not victim.awaits_fork
-                    and not (
-                        spare_reserves
-                        and victim.lane != lane
-                        and quotas.held.get(victim.lane, 0) <= quotas.reserve.get(victim.lane, 0)
-                    )
+                    and not (spare_reserves and victim.lane != lane and allocator.within_reserve(victim.lane))
                 ):
                     break
                 victim_index -= 1
@@ -450,8 +415,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Evict by recompute: free the blocks, back to the head of the lane's queue."""
-        self.quotas.release(request.lane, len(request.block_ids))
-        self.kv.free(request)
+        self.allocator.free(request)
         request.status = PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -461,14 +425,11 @@ class Scheduler:
         self._running_dirty = True
         self.num_preemptions_total += 1
         plan.preempted.append(request)
-        if request.request_id in self._batch:
-            self._batch_waiting.appendleft(request)
-            self._count_batch_waiting(request.lane, 1)
+        if request.request_id in self.batch:
+            self.batch.requeue(request)
         else:
             lane.push(request)
-            batch = self._lane_batches.get(lane.name)
-            if batch is not None:  # a member of the lane's batch: it restarts within the batch
-                batch[1] += 1
+            self.lane_batches.gave_back(lane)  # a member of a static lane's batch restarts within it
         if request.group is not None and not request.group.forked:
             self._stop_unforked_followers(request)
 
@@ -483,7 +444,8 @@ class Scheduler:
         """Start waiting requests (new, or preempted ones) while budgets allow."""
         if self.static_batching:
             return self._admit_static(token_budget, scheduled, prefills, now)
-        sched, kv = self.sched, self.kv
+        sched = self.sched
+        lane_order = self.lane_order
         max_active = sched.max_active_sequences
         high = sched.kv_cache_high_watermark
         candidates = [
@@ -498,12 +460,12 @@ class Scheduler:
         started: set[str] = set()
         time_denied: list[Lane] = []
         while candidates and token_budget > 0 and self.num_running < max_active:
-            lane = min(candidates, key=self._lane_order)
+            lane = lane_order.first(candidates)
             if self.num_running and self._above_watermark(lane.name, high):
                 candidates.remove(lane)  # above its high watermark: none of its prefills start
                 continue
             request = lane.peek()
-            if not lane.config.continuous_batching and not self._joins_lane_batch(lane, request):
+            if not lane.config.continuous_batching and not self.lane_batches.joins(lane, request):
                 candidates.remove(lane)  # static lane: its batch is full or still running
                 continue
             if self.quotas.active and self.exceeds_lane_capacity(request):
@@ -514,7 +476,8 @@ class Scheduler:
                 continue
             n = self._start(request, lane, token_budget, prefills, now, from_lane=lane)
             if n is None:
-                if self._step_budget.active and self._step_budget.lane_out_of_time(lane.name):
+                budget = self.step_time.budget
+                if budget.active and budget.lane_out_of_time(lane.name):
                     candidates.remove(lane)  # it yields this step's time to higher priorities
                     time_denied.append(lane)
                     continue
@@ -525,12 +488,10 @@ class Scheduler:
             scheduled.add(request.request_id)
             started.add(lane.name)
             if not lane.config.continuous_batching:
-                self._lane_batches[lane.name][1] -= 1
-                self._static_lane_arrivals.pop(request.request_id, None)
+                self.lane_batches.started(lane, request)
             token_budget -= n
-            lane.vtime += n / lane.config.weight
-            lane.served_tokens += n
-            lane.starved_steps = 0
+            lane_order.charge(lane, n)
+            lane_order.started(lane)
             if (
                 not lane.num_waiting
                 or lane.num_running >= lane.budgets.max_active_sequences
@@ -540,60 +501,22 @@ class Scheduler:
         if started:
             for lane in candidates + time_denied:
                 if lane.name not in started and lane.num_waiting and lane.tokens_left > 0:
-                    lane.starved_steps += 1
+                    lane_order.passed_over(lane)
         return token_budget
 
-    # ---- per-lane static batching (lane key continuousBatching: false)
-
-    def _joins_lane_batch(self, lane: Lane, request: Request) -> bool:
-        """Whether the head of a static lane may start now: it joins the lane's open batch
-        (queued before the batch opened, with starts left). A batch opens once the lane's
-        running set has drained; its starts are the requests then waiting, up to the lane's
-        maxActiveSequences (a preempted member gives its start back)."""
-        batch = self._lane_batches.get(lane.name)
-        arrival = self._static_lane_arrivals.get(request.request_id, -1)
-        if lane.num_running == 0 and (batch is None or batch[1] <= 0 or arrival >= batch[0]):
-            batch = [next(self._arrival_seq), min(lane.num_waiting, lane.budgets.max_active_sequences)]
-            self._lane_batches[lane.name] = batch
-        return batch is not None and batch[1] > 0 and arrival < batch[0]
-
-    def _lane_batch_closed(self, lane: Lane) -> bool:
-        """A static lane whose running batch takes no more requests (its queue waits)."""
-        if lane.config.continuous_batching or not lane.num_running:
-            return False
-        batch = self._lane_batches.get(lane.name)
-        return batch is None or batch[1] <= 0
-
     # ---- KV shares of the lanes (kv_quotas.py)
-
-    def _room(self, lane_name: str) -> int:
-        """Blocks the lane may allocate now (the free blocks without quotas)."""
-        return self.quotas.room(lane_name, self.kv.num_free_blocks)
-
-    def _fits(self, num_blocks: int, lane_name: Optional[str], table_growth: Optional[int] = None) -> bool:
-        """Whether `num_blocks` free blocks may be taken for the lane; `table_growth`: the
-        block-table entries it adds, when more (prefix hits on blocks in use count against
-        the lane's cap but take no free block)."""
-        if lane_name is None or not self.quotas.active:
-            return self.kv.can_allocate(num_blocks)
-        quotas = self.quotas
-        if table_growth is not None and table_growth > num_blocks:
-            cap = quotas.cap.get(lane_name, quotas.num_blocks)
-            if cap < quotas.num_blocks and quotas.held.get(lane_name, 0) + table_growth > cap:
-                return False
-        return num_blocks <= self._room(lane_name)
 
     def _above_watermark(self, lane_name: str, high: float) -> bool:
         """The high watermark, applied to the lane against its own capacity (the pool's
         usage without quotas; never while the lane is inside its reserve)."""
-        return self.quotas.usage_of(lane_name, self.kv.num_free_blocks) >= high
+        return self.allocator.usage_of(lane_name) >= high
 
     def lane_kv_usage(self, lane_name: str) -> float:
         """The lane's KV usage for the reject watermark (admission): against its own capacity
         with KV shares in force, else the pool's."""
         if not self.quotas.active:
             return self.kv.usage
-        return self.quotas.usage_of(lane_name, self.kv.num_free_blocks)
+        return self.allocator.usage_of(lane_name)
 
     def lane_kv_capacity(self, lane_name: str) -> int:
         """The most KV blocks one request of the lane can ever get (admission's size check)."""
@@ -633,86 +556,13 @@ class Scheduler:
 
     # ---- step-time budget (step_cost.py)
 
-    def _step_cap_s(self) -> Optional[float]:
-        """This step's time cap: a share of the tightest TPOT target among the lanes with
-        running requests; None when off or no running lane has a TPOT target."""
-        if self.sched.step_time_budget != "auto":
-            return None
-        targets = [
-            lane.config.slo.tpot_p95_ms
-            for lane in self.lanes.values()
-            if lane.num_running and lane.config.slo.tpot_p95_ms
-        ]
-        return min(targets) / 1000.0 * STEP_BUDGET_SHARE if targets else None
-
     def _prefill_priority(self, running_prefills: list[tuple[int, Request]]) -> int:
         """The highest priority among lanes with prefill work this step (running prefills,
         or waiting requests that may start)."""
         lanes = self.lanes
-        top = max((lanes[r.lane].config.priority for _, r in running_prefills), default=-1)
-        for lane in lanes.values():
-            if (
-                lane.num_waiting
-                and lane.config.priority > top
-                and lane.num_running < lane.budgets.max_active_sequences
-                and not self._lane_batch_closed(lane)
-            ):
-                top = lane.config.priority
-        return top
-
-    def _may_skip_decode(self, request: Request, lane: Lane, now: float, budget: StepTimeBudget) -> bool:
-        """A decode of a lane with a looser TPOT target than the step's cap may sit out this
-        step if its next token still comes within its own target (one more step later)."""
-        target = lane.config.slo.tpot_p95_ms
-        allowed = UNTARGETED_DECODE_WAIT_S if not target else target / 1000.0 * STEP_BUDGET_SHARE
-        cap = budget.cap_s
-        if allowed <= cap or not request.token_times:
-            return False
-        return now - request.token_times[-1] + 2 * cap <= allowed
-
-    def _chunk_in_time(self, lane: Lane, start: int, n: int, starting: bool = False) -> int:
-        """`n`, shortened so the step stays within its time cap (the step's first prefill
-        keeps CAPPED_PREFILL_FLOOR tokens). Chunks of the lanes whose TPOT target sets the
-        cap are never shortened: their time to first token is theirs to keep too. A lane
-        yielding to a higher-priority lane's prefills gets the floor for one running prefill
-        per step, and starts nothing unless the starvation guard lets it go first."""
-        budget = self._step_budget
-        if not budget.active or n <= 0:
-            return n
-        budget.prefill_priority = max(budget.prefill_priority, lane.config.priority)
-        target = lane.config.slo.tpot_p95_ms
-        if target and target / 1000.0 * STEP_BUDGET_SHARE <= budget.cap_s * (1 + 1e-9):
-            budget.add_pending_prefill()
-            return n
-        yielding = lane.config.priority < budget.prefill_priority
-        if yielding:
-            floored = lane.name in budget.floored_lanes or (starting and lane.starved_steps < self.starvation_steps)
-            floor = 0 if floored else CAPPED_PREFILL_FLOOR
-        else:
-            floor = 0 if budget.has_prefill else CAPPED_PREFILL_FLOOR
-        share = YIELDING_PREFILL_SHARE if yielding else 1.0
-        fitted = budget.largest_chunk(start, n, floor, share)
-        if yielding and fitted:
-            budget.floored_lanes.add(lane.name)
-        budget.denied_lane = None if fitted else lane.name
-        if fitted < n:
-            lane.time_capped_steps += lane.last_capped_step != self._step_index
-            lane.last_capped_step = self._step_index
-        return fitted
-
-    def _catch_up_idle_lanes(self) -> None:
-        """An idle lane must not bank credit: when it gets work again it starts level with
-        the busiest-served active lane's clock, not far behind it (standard WFQ)."""
-        lanes = self.lanes.values()
-        active = [lane.vtime for lane in lanes if lane.num_waiting or lane.num_running]
-        if active:
-            floor = min(active)
-            for lane in lanes:
-                if not (lane.num_waiting or lane.num_running) and lane.vtime < floor:
-                    lane.vtime = floor
-
-    def _lane_order(self, lane: Lane) -> tuple:
-        return (lane.starved_steps < self.starvation_steps, -lane.config.priority, lane.vtime)
+        return StepTimePolicy.prefill_priority(
+            lanes.values(), (lanes[r.lane] for _, r in running_prefills), self.lane_batches.closed
+        )
 
     def _start(
         self,
@@ -731,35 +581,24 @@ class Scheduler:
         cached = kv.find_cached_prefix(request, cache_limit)
         todo = request.num_tokens - len(cached) * self.block_size
         n = min(todo, lane.budgets.prefill_chunk_size, token_budget, lane.tokens_left)
-        n = self._chunk_in_time(lane, len(cached) * self.block_size, n, starting=True)
+        starved = lane.starved_steps >= self.lane_order.starvation_steps
+        n = self.step_time.chunk(lane, len(cached) * self.block_size, n, starting=True, starved=starved)
         if n <= 0:
             return None
-        need = kv.num_blocks_to_allocate(request, n, cached)
         group = request.group
         starts_group = group is not None and not group.forked and group.leader is request
-        if starts_group and not self._group_fits(group, lane, need):
+        if starts_group and not self._group_fits(group, lane, self.allocator.blocks_needed(request, n, cached)):
             return None
-        if not self._fits(need, lane.name, kv.blocks_for_tokens(len(cached) * self.block_size + n)):
+        if self.allocator.allocate(request, n, lane.name, cached) is None:
             return None
         if from_lane is not None:
             from_lane.pop()
         if first_time and cache_limit != 0:  # a lookup it may not use is not a query
             kv.record_prefix_query(request, cached)
-        kv.allocate(request, n, cached)
-        self.quotas.charge(lane.name, len(request.block_ids))
-        self._step_budget.add(request.num_computed_tokens, n)
-        request.status = RUNNING
-        if first_time:
-            request.first_scheduled_time = now
-        lane.num_running += 1
-        self.num_running += 1
+        self.step_time.budget.add(request.num_computed_tokens, n)
+        self._insert_running(request, lane, now)
         started = self.last_started
         started[lane.name] = started.get(lane.name, 0) + 1
-        key = (-lane.config.priority, next(self._rank_seq))
-        pos = bisect.bisect(self._rank, key)
-        self._rank.insert(pos, key)
-        self.running.insert(pos, request)
-        self._rank_of[request.request_id] = key
         start = request.num_computed_tokens
         prefills.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
         lane.tokens_left -= n
@@ -767,14 +606,31 @@ class Scheduler:
             self._start_unforked_followers(request, lane, now)
         return n
 
+    def _insert_running(self, request: Request, lane: Lane, now: float) -> None:
+        """Put a starting request (or an unforked follower) into the running set, after the
+        running requests of its lane's priority (ranks: lane priority, then start order)."""
+        if self._running_dirty:  # drop stale entries first: a request must not be in twice
+            self._compact_running()
+        request.status = RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        lane.num_running += 1
+        self.num_running += 1
+        key = (-lane.config.priority, next(self._rank_seq))
+        pos = bisect.bisect(self._rank, key)
+        self._rank.insert(pos, key)
+        self.running.insert(pos, request)
+        self._rank_of[request.request_id] = key
+
     def _admit_static(
         self, token_budget: int, scheduled: set[str], prefills: list[ScheduledChunk], now: float
     ) -> int:
-        if not self._batch:
-            self._form_batch()
+        """Static batching: start the batch's waiting members (forming the next batch once the
+        previous one has completely finished)."""
+        batch = self.batch
+        batch.form(self.lanes.values(), self.lane_order, self.sched.max_active_sequences)
         high = self.sched.kv_cache_high_watermark
-        while self._batch_waiting and token_budget > 0:
-            request = self._batch_waiting[0]
+        while token_budget > 0 and (request := batch.next_waiting()) is not None:
             if self.quotas.active and self.exceeds_lane_capacity(request):
                 self.finish_request(request, RequestStatus.FINISHED_REJECTED, "too_long")
                 continue
@@ -784,43 +640,11 @@ class Scheduler:
             n = self._start(request, lane, token_budget, prefills, now, from_lane=None)
             if n is None:
                 break
-            self._batch_waiting.popleft()
-            self._count_batch_waiting(request.lane, -1)
+            batch.started(request)
             scheduled.add(request.request_id)
-            lane.vtime += n / lane.config.weight
-            lane.served_tokens += n
+            LaneOrder.charge(lane, n)
             token_budget -= n
         return token_budget
-
-    def _form_batch(self) -> None:
-        """Static batching: take up to maxActiveSequences waiting requests as the next batch."""
-        cap = self.sched.max_active_sequences
-        taken: dict[str, int] = {}
-        candidates = [lane for lane in self.lanes.values() if lane.num_waiting]
-        while candidates and len(self._batch) < cap:
-            lane = min(candidates, key=self._lane_order)
-            # A parallel-sampling group joins whole: its followers count as batch members.
-            group = lane.peek().group
-            followers = [f for f in group.members[1:] if not f.is_finished] if group and not group.forked else []
-            if followers and self._batch and len(self._batch) + 1 + len(followers) > cap:
-                break
-            request = lane.pop()
-            self._batch.add(request.request_id)
-            self._batch.update(f.request_id for f in followers)
-            self._batch_waiting.append(request)
-            self._count_batch_waiting(request.lane, 1)
-            taken[lane.name] = taken.get(lane.name, 0) + 1 + len(followers)
-            lane.vtime += request.num_tokens / lane.config.weight
-            lane.starved_steps = 0
-            if not lane.num_waiting or taken[lane.name] >= lane.budgets.max_active_sequences:
-                candidates.remove(lane)
-        for lane in self.lanes.values():  # left out of this batch while others got in
-            if lane.num_waiting and lane.name not in taken and taken:
-                lane.starved_steps += 1
-
-    def _count_batch_waiting(self, lane_name: str, delta: int) -> None:
-        counts = self._batch_waiting_per_lane
-        counts[lane_name] = counts.get(lane_name, 0) + delta
 
     # ------------------------------------------------------------------ results
 
@@ -911,35 +735,25 @@ class Scheduler:
     # no block until the fork; see SequenceGroup in request.py.
 
     def _group_fits(self, group, lane: Lane, leader_blocks: int) -> bool:
-        """Whether a leader may start now: room for all its sequences (unless nothing else
-        runs, so a group larger than a cap still progresses) and, past its own first chunk,
-        one free block per follower (each one's copy of the shared partial block)."""
-        size = len(group.members)
-        if self.num_running and self.num_running + size > self.sched.max_active_sequences:
-            return False
-        if lane.num_running and lane.num_running + size > lane.budgets.max_active_sequences:
-            return False
-        return self._fits(leader_blocks + size - 1, lane.name)
+        """Whether a leader may start now (sched_policies.ParallelSampling.group_fits)."""
+        return self.parallel_sampling.group_fits(
+            len(group.members),
+            leader_blocks,
+            num_running=self.num_running,
+            max_active=self.sched.max_active_sequences,
+            lane_running=lane.num_running,
+            lane_max_active=lane.budgets.max_active_sequences,
+            fits_blocks=lambda num_blocks: self.allocator.fits(num_blocks, lane.name),
+        )
 
     def _start_unforked_followers(self, leader: Request, lane: Lane, now: float) -> None:
-        if self._running_dirty:  # drop stale entries first: a follower must not be in twice
-            self._compact_running()
-        in_batch = leader.request_id in self._batch
+        in_batch = leader.request_id in self.batch
         for follower in leader.group.members[1:]:
             if follower.status is not WAITING:
                 continue  # finished already (cancelled)
-            follower.status = RUNNING
-            if follower.first_scheduled_time is None:
-                follower.first_scheduled_time = now
-            lane.num_running += 1
-            self.num_running += 1
-            key = (-lane.config.priority, next(self._rank_seq))
-            pos = bisect.bisect(self._rank, key)
-            self._rank.insert(pos, key)
-            self.running.insert(pos, follower)
-            self._rank_of[follower.request_id] = key
+            self._insert_running(follower, lane, now)
             if in_batch:
-                self._batch.add(follower.request_id)
+                self.batch.join(follower)
 
     def _stop_unforked_followers(self, leader: Request) -> None:
         """The leader left the running set before the fork: its followers wait again (their
@@ -970,8 +784,7 @@ class Scheduler:
             if follower.is_finished:
                 continue
             assert follower.status is RUNNING, (follower.request_id, follower.status)
-            self.kv.fork(leader, follower, group.fork_tokens)
-            self.quotas.charge(follower.lane, len(follower.block_ids))  # shared entries count per holder
+            self.allocator.fork(leader, follower, group.fork_tokens)  # shared entries count per holder
             follower.num_cached_tokens = leader.num_cached_tokens
             if follower.sampling_params.prompt_logprobs is not None:
                 follower.prompt_logprobs = list(leader.prompt_logprobs)
@@ -992,8 +805,8 @@ class Scheduler:
 
     def _finish_removed(self, request: Request, status: RequestStatus, detail: str) -> None:
         """Finish a request already taken out of its lane's queue."""
-        self._static_lane_arrivals.pop(request.request_id, None)
-        self.kv.free(request)
+        self.lane_batches.forget(request)
+        self.allocator.free(request)
         request.finish(status, detail, now=self.clock())
         del self.requests[request.request_id]
         self.newly_finished.append(request)
@@ -1041,9 +854,8 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError if scheduler and pool books disagree (tests call it each step)."""
         live = list(self.requests.values())
-        self.kv.check_invariants(live)
         running = [r for r in self.running if r.status is RUNNING]
-        self.quotas.check_invariants(running, self.kv.num_free_blocks)
+        self.allocator.check_invariants(live, running)
         assert len(running) == self.num_running, (len(running), self.num_running)
         assert len({r.request_id for r in running}) == len(running), "request running twice"
         for lane in self.lanes.values():
@@ -1062,9 +874,7 @@ class Scheduler:
             if r.awaits_fork:
                 assert not r.block_ids and r.num_computed_tokens == 0, r.request_id
                 assert r.status is RUNNING or r.group.leader.status is not RUNNING, r.request_id
-        for name in self.lanes:
-            n = sum(1 for r in self._batch_waiting if r.lane == name)
-            assert self._batch_waiting_per_lane.get(name, 0) == n, name
+        self.batch.check_invariants(self.lanes)
         assert self._rank == sorted(self._rank)
         assert len(self._rank) == len(self.running)
         for key, r in zip(self._rank, self.running):
