@@ -438,15 +438,15 @@ def serve_instrumented(stats_path: str, serve_argv: list[str]) -> int:
 
     async_module.AsyncEngine.from_config = classmethod(from_config)
     # engine.coreProcess: the recorder goes into the core, which writes the records itself.
-    from tokenlane.runtime.engine import core_process as engine_core
+    from tokenlane.runtime.engine.client import CoreProcessClient
 
-    original_core = engine_core.ProcessEngine.from_config.__func__
+    original_core = CoreProcessClient.from_config.__func__
 
     def core_from_config(cls, config, on_start=None, log_level=None):
         return original_core(cls, config, on_start=functools.partial(instrument_core, stats_path),
                              log_level=log_level)
 
-    engine_core.ProcessEngine.from_config = classmethod(core_from_config)
+    CoreProcessClient.from_config = classmethod(core_from_config)
     code = server.main(serve_argv, exit_when_served=False)
     if recorders:
         Path(stats_path).write_text(json.dumps(recorders[0].records))

@@ -1,4 +1,5 @@
-"""The asyncio front of the engine, for the HTTP server.
+"""The in-process asyncio front of the engine (the server holds it through
+runtime/engine/client.py's InProcessClient).
 
 The step loop runs in one dedicated thread, step after step, so the event loop stays
 responsive while the model computes; it hands each step's outputs to the event loop
@@ -18,7 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.config import RuntimeConfig
@@ -75,19 +76,89 @@ class RequestStream:
             waiter.set_result(None)
 
 
+class StreamTable:
+    """The open request streams of one engine front, and whether it takes new work. Both
+    fronts hold one (the in-process AsyncEngine and the core-process client,
+    runtime/engine/client.py): composition, not a shared base class."""
+
+    def __init__(self, record_rejection: Callable[[Request, AdmissionError], None]) -> None:
+        self.streams: dict[str, RequestStream] = {}
+        self._record_rejection = record_rejection  # refusals of the front's own are counted too
+        self.started = False
+        self.draining = False
+        self.stopping = False
+        self.healthy = True
+        self.error: Optional[BaseException] = None  # why the engine stopped, if it did
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.draining and self.healthy
+
+    def check_open(self, requests: list[Request]) -> None:
+        """Refuse new work while draining, after the engine died, or under an id in use."""
+        refusal = None
+        if self.draining or self.stopping:
+            refusal = AdmissionError(503, "draining", "the server is shutting down", retry_after_s=1.0)
+        elif not self.healthy:
+            refusal = AdmissionError(503, "unavailable", f"the engine has stopped: {self.error}", 1.0)
+        else:
+            taken = [r.request_id for r in requests if r.request_id in self.streams]
+            if taken:
+                refusal = AdmissionError(400, "invalid", f"request id {taken[0]!r} is in use")
+        if refusal is not None:
+            for request in requests:
+                self._record_rejection(request, refusal)  # counted like the engine's own
+            raise refusal
+
+    def open(self, requests: list[Request], owner) -> list[RequestStream]:
+        """A stream per request, registered; `owner.abort` cancels them."""
+        streams = [RequestStream(request, owner) for request in requests]
+        for stream in streams:
+            self.streams[stream.request_id] = stream
+        return streams
+
+    def dispatch(self, outputs: list[RequestOutput]) -> None:
+        streams = self.streams
+        for output in outputs:
+            stream = streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream._put(output)
+            if output.finished:
+                del streams[output.request_id]
+
+    def fail_all(self, message: str) -> None:
+        """End every open stream with an error output (the engine stopped or died)."""
+        for request_id, stream in list(self.streams.items()):
+            request = stream.request
+            stream._put(
+                RequestOutput(
+                    request_id=request_id,
+                    lane=request.lane,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason=FinishReason.ERROR,
+                    finish_detail=message,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        self.streams.clear()
+
+
 class AsyncEngine:
+    """The in-process front: an LLMEngine stepped by one thread of this process. The server
+    reaches it through runtime/engine/client.py's InProcessClient."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._streams: dict[str, RequestStream] = {}
+        self._table = StreamTable(engine.record_rejection)
         self._wakeup = threading.Event()  # set on new work for the step thread
         self._halt = False  # the step thread stops after its current step (shutdown timed out)
         self._task: Optional[asyncio.Task] = None
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._stopping = False
-        self.started = False
-        self.draining = False
-        self.healthy = True
-        self.error: Optional[BaseException] = None  # why the loop died, if it did
         # While idle the loop still ticks this often, so queue timeouts fire without traffic.
         self.idle_tick_s = 0.05
 
@@ -100,8 +171,25 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def started(self) -> bool:
+        return self._table.started
+
+    @property
+    def draining(self) -> bool:
+        return self._table.draining
+
+    @property
+    def healthy(self) -> bool:
+        return self._table.healthy
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why the step loop died, if it did."""
+        return self._table.error
+
+    @property
     def ready(self) -> bool:
-        return self.started and not self.draining and self.healthy
+        return self._table.ready
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -110,12 +198,12 @@ class AsyncEngine:
             return
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenlane-step")
         self._task = asyncio.create_task(self._run(), name="tokenlane-engine-loop")
-        self.started = True
+        self._table.started = True
 
     async def shutdown(self, grace_s: float) -> None:
         """Drain: refuse new work (503 "draining"), let in-flight requests finish for up to
         `grace_s`, abort the rest, then stop the loop."""
-        self.draining = True
+        self._table.draining = True
         if self._task is None:
             return
         deadline = time.monotonic() + max(0.0, grace_s)
@@ -124,15 +212,15 @@ class AsyncEngine:
             if left <= 0:
                 break
             await asyncio.sleep(min(0.02, left))
-        for request_id in list(self._streams):
+        for request_id in list(self._table.streams):
             self.engine.abort_request(request_id, RequestStatus.FINISHED_CANCELLED, "shutdown")
-        self._stopping = True
+        self._table.stopping = True
         self._wake()
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout=max(5.0, grace_s))
         except asyncio.TimeoutError:
             self._task.cancel()
-        self._fail_streams("engine stopped")  # anything the loop could not finish
+        self._table.fail_all("engine stopped")  # anything the loop could not finish
         if self._worker is not None:
             self._worker.shutdown(wait=False)
 
@@ -140,52 +228,25 @@ class AsyncEngine:
 
     def submit(self, request: Request) -> RequestStream:
         """Admit the request (raises AdmissionError at once) and return its output stream."""
-        self._check_open([request])
-        stream = RequestStream(request, self)
+        self._table.check_open([request])
         self.engine.add_request(request)  # raises AdmissionError
-        self._streams[request.request_id] = stream
+        (stream,) = self._table.open([request], self)
         self._wake()
         return stream
 
     def submit_group(self, requests: list[Request]) -> list[RequestStream]:
         """Admit the sequences of one prompt sampled in parallel (a SequenceGroup, leader
         first), all or none (raises AdmissionError at once); one stream per sequence."""
-        self._check_open(requests)
-        streams = [RequestStream(request, self) for request in requests]
+        self._table.check_open(requests)
         self.engine.add_group(requests)  # raises AdmissionError
-        for stream in streams:
-            self._streams[stream.request_id] = stream
+        streams = self._table.open(requests, self)
         self._wake()
         return streams
-
-    async def submit_async(self, request: Request) -> RequestStream:
-        """`submit` for callers that also serve an engine core in another process, where
-        admission is a round trip (runtime/engine/core_process.py)."""
-        return self.submit(request)
-
-    async def submit_group_async(self, requests: list[Request]) -> list[RequestStream]:
-        return self.submit_group(requests)
-
-    def _check_open(self, requests: list[Request]) -> None:
-        """Refuse new work while draining, after the loop died, or under an id in use."""
-        refusal = None
-        if self.draining or self._stopping:
-            refusal = AdmissionError(503, "draining", "the server is shutting down", retry_after_s=1.0)
-        elif not self.healthy:
-            refusal = AdmissionError(503, "unavailable", f"the engine has stopped: {self.error}", 1.0)
-        else:
-            taken = [r.request_id for r in requests if r.request_id in self._streams]
-            if taken:
-                refusal = AdmissionError(400, "invalid", f"request id {taken[0]!r} is in use")
-        if refusal is not None:
-            for request in requests:
-                self.engine.record_rejection(request, refusal)  # counted like the engine's own
-            raise refusal
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """Cancel a request of ours: one abort staged for the next step boundary, where its KV
         blocks are freed; `reason` becomes its finish detail (the metrics' reason label)."""
-        if request_id in self._streams:
+        if request_id in self._table.streams:
             self.engine.abort_request(request_id, RequestStatus.FINISHED_CANCELLED, reason)
             self._wake()
 
@@ -207,9 +268,9 @@ class AsyncEngine:
             raise
         except Exception as exc:  # the executor is broken: fail loudly, stay down
             log.exception("engine loop crashed")
-            self.healthy = False
-            self.error = exc
-            self._fail_streams(f"engine error: {exc}")
+            self._table.healthy = False
+            self._table.error = exc
+            self._table.fail_all(f"engine error: {exc}")
 
     def _step_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The step thread: steps while there is work, each step's outputs handed to the event
@@ -217,7 +278,7 @@ class AsyncEngine:
         engine, wakeup = self.engine, self._wakeup
         engine.pin_step_thread()
         while not self._halt:
-            if self._stopping and not engine.has_unfinished_requests():
+            if self._table.stopping and not engine.has_unfinished_requests():
                 return
             if not engine.has_pending_work():
                 wakeup.clear()
@@ -236,30 +297,4 @@ class AsyncEngine:
                 wakeup.wait(self.idle_tick_s / 10)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        streams = self._streams
-        for output in outputs:
-            stream = streams.get(output.request_id)
-            if stream is None:
-                continue
-            stream._put(output)
-            if output.finished:
-                del streams[output.request_id]
-
-    def _fail_streams(self, message: str) -> None:
-        for request_id, stream in list(self._streams.items()):
-            request = stream.request
-            stream._put(
-                RequestOutput(
-                    request_id=request_id,
-                    lane=request.lane,
-                    new_token_ids=[],
-                    new_text="",
-                    finished=True,
-                    finish_reason=FinishReason.ERROR,
-                    finish_detail=message,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_output_tokens=request.num_output_tokens,
-                    num_cached_tokens=request.num_cached_tokens,
-                )
-            )
-        self._streams.clear()
+        self._table.dispatch(outputs)

@@ -1,27 +1,17 @@
-"""The engine core in a process of its own (`engine.coreProcess: true`).
+"""The engine core in a process of its own (`engine.coreProcess: true`): the child's side.
 
 The API process keeps what talks to clients: HTTP, tokenization, the request streams and
 their SSE framing, metrics and the flight recorder. A child process (the engine core) runs
-the `LLMEngine` and its step loop. On one GIL, the step thread's Python (scheduling,
-preparing inputs, sampling, detokenizing) waits behind the event loop's burst of stream
-writes after every step; in a process of its own it does not. vLLM v1 splits the same way.
+the `LLMEngine` and its step loop, and returns token ids: detokenization and stop strings
+are the API process's. On one GIL, the step thread's Python (scheduling, preparing inputs,
+sampling) waits behind the event loop's burst of stream writes after every step; in a
+process of its own it does not. vLLM v1 splits the same way.
 
-    API process                                      engine core (spawned child)
-    ProcessEngine (AsyncEngine's interface)          run_engine_core
-      submit_async ── ("admit", [(call, ...)]) ─>      command thread: engine.add_request,
-                   <── ("replies", [(call, result)]) ─   the admitted lane or the refusal
-      abort        ── ("abort", id, reason) ────>      engine.abort_request
-      reload_config ─ ("reload", config) ───────>      engine.reload_config
-      shutdown     ── ("stop",) ────────────────>      step loop ends once nothing runs
-      reader thread <─ ("step", outputs, events, snapshot) ── step loop: engine.step()
-                    <─ ("dead", message) ─────────     the step loop raised
-                    <─ ("stopped",) ─────────────      clean end after "stop"
-
-Two one-way pipes carry pickled tuples. Observers (metrics, flight recorder, request log)
-run in the API process: the core relays their events (step stats, finished requests,
-applied or refused configs) with each step's outputs, and a fresh occupancy snapshot (the
-/metrics gauges). Admission runs in the core, against the scheduler's state, as before; the
-API process awaits its answer (one round trip) before it answers the client.
+The API process's side is runtime/engine/client.py's CoreProcessClient, which spawns
+`run_engine_core`; the two speak runtime/engine/messages.py's typed messages over two
+one-way pipes (the message flow is drawn in client.py). The core is also its engine's only
+observer: it relays the events (step stats, finished requests, applied or refused configs)
+with each step's outputs, and a fresh occupancy snapshot.
 
 The core ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process group): the
 API process drains it and tells it to stop. It exits on its own when the API process's end
@@ -30,29 +20,25 @@ of the command pipe closes, so a killed server leaves no engine behind.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import gc
 import io
-import itertools
 import logging
-import multiprocessing
 import os
 import pickle
 import queue
 import signal
 import sys
 import threading
-import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Union
 
-from tokenlane.runtime.core.admission import AdmissionError
-from tokenlane.runtime.engine.async_engine import AsyncEngine, RequestStream
 from tokenlane.runtime.config import RuntimeConfig
-from tokenlane.runtime.engine.llm_engine import LLMEngine, RequestOutput, RestartRequired, restart_field_changes
+from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.core.request import Request, RequestStatus
-from tokenlane.runtime.core.stats import EngineObserver, StepStats
+from tokenlane.runtime.core.stats import StepStats
+from tokenlane.runtime.engine import messages as wire
+from tokenlane.runtime.engine.llm_engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +114,7 @@ class EngineCore:
         self._writer = threading.Thread(target=self._write_out, name="tokenlane-core-writer", daemon=True)
         self._writer.start()
         self._events_lock = threading.Lock()
-        self._events: list[tuple] = []  # observer events not yet sent
+        self._events: list[wire.ObserverEvent] = []  # observer events not yet sent
         self._wakeup = threading.Event()
         self._stopping = False  # "stop": end once no request is left
         self._halt = False  # the API process is gone: end now
@@ -139,26 +125,26 @@ class EngineCore:
 
     def on_step(self, stats: StepStats) -> None:
         with self._events_lock:
-            self._events.append(("step", stats))
+            self._events.append(wire.StepObserved(stats))
 
     def on_request_finished(self, request: Request) -> None:
         with self._events_lock:
-            self._events.append(("finished", finished_copy(request)))
+            self._events.append(wire.RequestFinished(finished_copy(request)))
 
     def on_config_applied(self, config: object, ok: bool, message: str) -> None:
         with self._events_lock:
-            self._events.append(("config", config, ok, message, self.engine.max_model_len))
+            self._events.append(wire.ConfigApplied(config, ok, message, self.engine.max_model_len))
 
     # -- sending
 
-    def _send(self, message: tuple) -> None:
-        self._outbox.put(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+    def _send(self, message) -> None:
+        self._outbox.put(wire.encode(message))
 
     def _write_out(self) -> None:
         conn, outbox = self._events_conn, self._outbox
         while (data := outbox.get()) is not None:
             try:
-                conn.send_bytes(data)  # what Connection.recv() on the other end unpickles
+                conn.send_bytes(data)
             except OSError:  # the API process is gone
                 self._halt = True
                 self._wakeup.set()
@@ -178,58 +164,60 @@ class EngineCore:
         fresh = None
         if snapshot:
             fresh = self._last_snapshot = self.engine.snapshot()
-        self._send(("step", outputs, events, fresh))
+        self._send(wire.StepOutputs(outputs, tuple(events), fresh))
 
     # -- the command thread
 
     def serve_commands(self, commands) -> None:
         while True:
             try:
-                message = commands.recv()
+                message = wire.decode(commands.recv_bytes())
             except (EOFError, OSError):  # the API process is gone
                 self._halt = True
                 self._wakeup.set()
                 return
+            except wire.WireVersionError as exc:
+                log.error("engine core: command refused: %s", exc)
+                continue
             try:
                 self._command(message)
             except Exception:  # a bad command must not end the core's only way in
-                log.exception("engine core: command %r failed", message[0])
+                log.exception("engine core: command %s failed", type(message).__name__)
             self._wakeup.set()
             if self._events and not self._stopping:
                 self._send_step([], snapshot=False)  # e.g. a refusal's metrics, without waiting for a step
 
-    def _command(self, message: tuple) -> None:
-        engine, kind = self.engine, message[0]
-        if kind == "admit":
-            self._send(("replies", [(call, self._admit(group, payload)) for call, group, payload in message[1]]))
-        elif kind == "abort":
-            _, request_id, reason = message
-            engine.abort_request(request_id, RequestStatus.FINISHED_CANCELLED, reason)
-        elif kind == "reload":
+    def _command(self, message) -> None:
+        engine = self.engine
+        if isinstance(message, wire.AddRequests):
+            self._send(wire.Replies(tuple(self._admit(entry) for entry in message.entries)))
+        elif isinstance(message, wire.Abort):
+            engine.abort_request(message.request_id, message.status, message.reason)
+        elif isinstance(message, wire.Reload):
             try:
-                engine.reload_config(message[1])
+                engine.reload_config(message.config)
             except ValueError as exc:  # observers were told (on_config_applied, ok=False)
                 log.warning("config reload refused: %s", exc)
-        elif kind == "stop":
+        elif isinstance(message, wire.Stop):
             self._stopping = True
         else:
-            log.error("engine core: unknown command %r", kind)
+            log.error("engine core: unknown command %r", type(message).__name__)
 
-    def _admit(self, group: bool, payload: bytes) -> tuple:
-        """("ok", the admitted lanes) or ("refused", AdmissionError's fields). `payload` is
-        the request (or the group's list of requests) as `dumps_for_core` pickled it."""
+    def _admit(self, entry: wire.AddRequest) -> Union[wire.Admitted, wire.Refused]:
+        """The admitted lanes, or the refusal. `entry.payload` is the request (or the
+        group's list of requests) as `dumps_for_core` pickled it."""
         try:
-            payload = pickle.loads(payload)
-            if group:
+            payload = pickle.loads(entry.payload)
+            if entry.group:
                 self.engine.add_group(payload)
-                return ("ok", [request.lane for request in payload])
+                return wire.Admitted(entry.call, tuple(request.lane for request in payload))
             self.engine.add_request(payload)
-            return ("ok", [payload.lane])
+            return wire.Admitted(entry.call, (payload.lane,))
         except AdmissionError as exc:
-            return ("refused", (exc.status, exc.reason, exc.message, exc.retry_after_s))
+            return wire.Refused.of(entry.call, exc)
         except Exception as exc:  # a bug in admission: refuse this one, keep serving
             log.exception("admission failed")
-            return ("refused", (500, "internal_error", f"admission failed: {type(exc).__name__}", None))
+            return wire.Refused(entry.call, 500, "internal_error", f"admission failed: {type(exc).__name__}", None)
 
     # -- the step loop
 
@@ -242,7 +230,7 @@ class EngineCore:
         while not self._halt:
             if self._stopping and not engine.has_unfinished_requests():
                 self._send_step([])
-                self._send(("stopped",))
+                self._send(wire.Stopped())
                 return
             if not engine.has_pending_work():
                 wakeup.clear()
@@ -260,7 +248,7 @@ class EngineCore:
 
 def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = logging.INFO,
                     on_start: Optional[Callable[["EngineCore"], Optional[Callable[[], None]]]] = None) -> None:
-    """The engine core process's main: load the engine, say "ready" (or "failed" with why),
+    """The engine core process's main: load the engine, say Ready (or LoadFailed with why),
     then run the step loop until told to stop. `on_start` (picklable: a top-level function
     or a partial of one) may instrument the core and its engine before it serves, and return
     a callable run when the loop ends (the step profiler writes its records there)."""
@@ -268,9 +256,9 @@ def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = lo
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
-        engine = LLMEngine.from_config(config)
+        engine = LLMEngine.from_config(config, detokenize=False)  # the API process detokenizes
     except Exception as exc:
-        events.send(("failed", f"{type(exc).__name__}: {exc}"))
+        events.send_bytes(wire.encode(wire.LoadFailed(f"{type(exc).__name__}: {exc}")))
         _end_core(1)
     global _core_engine
     _core_engine = engine
@@ -281,12 +269,8 @@ def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = lo
     at_end = on_start(core) if on_start is not None else None
     gc.collect()
     gc.freeze()  # as the API process does: full collections must not stall the step loop
-    core._send(("ready", {
-        "vocab_size": engine.vocab_size,
-        "supports_logprobs": engine.supports_logprobs,
-        "max_model_len": engine.max_model_len,
-        "snapshot": engine.snapshot(),
-    }))
+    core._send(wire.Ready(vocab_size=engine.vocab_size, supports_logprobs=engine.supports_logprobs,
+                          max_model_len=engine.max_model_len, snapshot=engine.snapshot()))
     threading.Thread(target=core.serve_commands, args=(commands,), name="tokenlane-core-commands",
                      daemon=True).start()
     code = 0
@@ -295,7 +279,7 @@ def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = lo
     except BaseException as exc:
         code = 1
         log.exception("engine core step loop crashed")
-        core._send(("dead", f"{type(exc).__name__}: {exc}"))
+        core._send(wire.CoreDied(f"{type(exc).__name__}: {exc}"))
     core.close()
     if at_end is not None:
         at_end()
@@ -312,325 +296,3 @@ def _end_core(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
-
-
-# --------------------------------------------------------------------------- the API process side
-
-
-def open_engine(config: RuntimeConfig, on_core_start: Optional[Callable] = None,
-                own_process: Optional[bool] = None) -> AsyncEngine:
-    """The asyncio front `tokenlane serve` serves: a ProcessEngine when the engine core gets a
-    process of its own (its core spawned and loaded; `on_core_start` is the core's `on_start`
-    hook), else the in-process AsyncEngine. `own_process` None decides as `engine.coreProcess`
-    says (unset: by the host, `cpu_placement.plan_core_process`). ValueError or OSError if the
-    model cannot be loaded."""
-    if own_process is None:
-        from tokenlane.runtime.executor.cpu_placement import core_process_for
-        from tokenlane.runtime.executor.model_executor import select_device
-
-        device_type = "cpu" if config.engine.executor != "model" else select_device(config.engine.device).type
-        own_process, why = core_process_for(config.engine, device_type)
-        log.info("step loop: %s", why)
-    if own_process:
-        return ProcessEngine.from_config(config, on_start=on_core_start)
-    return AsyncEngine.from_config(config)
-
-
-class CoreView:
-    """What the API process reads of the engine (AsyncEngine.engine's place): the config in
-    force, the tokenizer, the model's limits, the latest occupancy snapshot, and the
-    observers, which get the events the core relays."""
-
-    def __init__(self, config: RuntimeConfig, info: dict, tokenizer: Any) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.vocab_size: Optional[int] = info["vocab_size"]
-        self.supports_logprobs: bool = info["supports_logprobs"]
-        self.max_model_len: int = info["max_model_len"]
-        self.clock = time.monotonic  # system-wide: the core's clock too
-        self.observers: list[EngineObserver] = []
-        self._snapshot: StepStats = info["snapshot"]
-
-    def add_observer(self, observer: EngineObserver) -> None:
-        self.observers.append(observer)
-
-    def snapshot(self) -> StepStats:
-        """The core's occupancy as of its last message (each step, or each idle tick that
-        changed it)."""
-        return self._snapshot
-
-    def record_rejection(self, request: Request, error: AdmissionError) -> None:
-        """A refusal of the API process's own (draining, core down): counted like the core's."""
-        request.finish(RequestStatus.FINISHED_REJECTED, error.reason, now=self.clock())
-        self._notify("on_request_finished", request)
-
-    def relay(self, event: tuple) -> None:
-        kind = event[0]
-        if kind == "step":
-            self._notify("on_step", event[1])
-        elif kind == "finished":
-            self._notify("on_request_finished", event[1])
-        elif kind == "config":
-            _, config, ok, message, max_model_len = event
-            if ok:
-                self.config, self.max_model_len = config, max_model_len
-            self._notify("on_config_applied", config, ok, message)
-
-    def _notify(self, method: str, *args) -> None:
-        for observer in self.observers:
-            try:
-                getattr(observer, method)(*args)
-            except Exception:
-                log.exception("observer %r failed", observer)
-
-
-class ProcessEngine(AsyncEngine):
-    """AsyncEngine's interface over an engine core process. Admission is a round trip, so
-    requests come in through `submit_async` / `submit_group_async`."""
-
-    def __init__(self, view: CoreView, process, commands, events) -> None:
-        super().__init__(view)  # self.engine: the view
-        self._process = process
-        self._commands = commands  # the API process's write end
-        self._events = events  # the API process's read end
-        self._calls: dict[int, asyncio.Future] = {}  # admissions awaiting the core's answer
-        self._admissions: list[tuple] = []  # admissions not yet sent (see _queue_admission)
-        self._call_ids = itertools.count()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._reader: Optional[threading.Thread] = None
-        self._stopped: Optional[asyncio.Event] = None
-        self._send_lock = threading.Lock()
-
-    @classmethod
-    def from_config(cls, config: RuntimeConfig, on_start: Optional[Callable] = None,
-                    log_level: Optional[int] = None) -> "ProcessEngine":
-        """Spawn the core and wait until its engine is loaded; ValueError with the core's own
-        message if it could not load."""
-        context = multiprocessing.get_context("spawn")  # a fork would copy torch's threads' state
-        core_commands, commands = context.Pipe(duplex=False)
-        events, core_events = context.Pipe(duplex=False)
-        level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-        process = context.Process(target=run_engine_core, name="tokenlane-engine-core", daemon=True,
-                                  args=(config, core_commands, core_events, level, on_start))
-        process.start()
-        core_commands.close()  # the child holds these ends now: EOF follows its exit
-        core_events.close()
-        try:
-            first = events.recv()
-        except (EOFError, OSError):
-            process.join(5)
-            raise ValueError(f"the engine core exited while loading (exit code {process.exitcode})") from None
-        if first[0] != "ready":
-            process.join(5)
-            raise ValueError(first[1])
-        tokenizer = None
-        if config.engine.executor != "simulated":
-            from tokenlane.runtime.engine.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
-        return cls(CoreView(config, first[1], tokenizer), process, commands, events)
-
-    # ------------------------------------------------------------------ lifecycle
-
-    async def start(self) -> None:
-        if self.started:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._stopped = asyncio.Event()
-        self._reader = threading.Thread(target=self._read_events, name="tokenlane-core-reader", daemon=True)
-        self._reader.start()
-        self.started = True
-
-    async def shutdown(self, grace_s: float) -> None:
-        """Drain as AsyncEngine does, then stop the core and wait for its exit."""
-        self.draining = True
-        if not self.started:
-            self._end_process()
-            return
-        deadline = time.monotonic() + max(0.0, grace_s)
-        while self._streams and self.healthy:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            await asyncio.sleep(min(0.02, left))
-        for request_id in list(self._streams):
-            self._send_abort(request_id, "shutdown")
-        self._stopping = True
-        self._send_quietly(("stop",))
-        if self.healthy:
-            try:
-                await asyncio.wait_for(self._stopped.wait(), timeout=max(STOP_TIMEOUT_S, grace_s))
-            except asyncio.TimeoutError:
-                log.error("the engine core did not stop in time; killing it")
-        self._fail_streams("engine stopped")
-        await asyncio.to_thread(self._end_process)
-
-    def _end_process(self) -> None:
-        self._process.join(STOP_TIMEOUT_S if self._stopped is not None and self._stopped.is_set() else 0.5)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-        self._commands.close()
-
-    # ------------------------------------------------------------------ requests
-
-    def submit(self, request: Request) -> RequestStream:
-        raise TypeError("the engine core runs in its own process: use `await submit_async(request)`")
-
-    def submit_group(self, requests: list[Request]) -> list[RequestStream]:
-        raise TypeError("the engine core runs in its own process: use `await submit_group_async(requests)`")
-
-    async def submit_async(self, request: Request) -> RequestStream:
-        return (await self._admit(False, request, [request]))[0]
-
-    async def submit_group_async(self, requests: list[Request]) -> list[RequestStream]:
-        return await self._admit(True, requests, requests)
-
-    async def _admit(self, group: bool, payload, requests: list[Request]) -> list[RequestStream]:
-        self._check_open(requests)
-        streams = [RequestStream(request, self) for request in requests]
-        for stream in streams:  # before the core can answer: its outputs find their stream
-            self._streams[stream.request_id] = stream
-        call = next(self._call_ids)
-        future = self._loop.create_future()
-        self._calls[call] = future
-        try:
-            self._queue_admission((call, group, dumps_for_core(payload)))
-            status, detail = await future
-        except BaseException:
-            for request in requests:  # e.g. the client left: the core may have admitted it
-                if self._streams.pop(request.request_id, None) is not None:
-                    self._send_abort(request.request_id, "client_disconnect")
-            raise
-        finally:
-            self._calls.pop(call, None)
-        if status != "ok":
-            for request in requests:
-                self._streams.pop(request.request_id, None)
-                request.finish(RequestStatus.FINISHED_REJECTED, detail[1], now=time.monotonic())
-            raise AdmissionError(*detail)
-        for request, lane in zip(requests, detail):
-            request.lane = lane  # the core resolved "default" to the default lane
-        return streams
-
-    def abort(self, request_id: str, reason: str = "cancelled") -> None:
-        if request_id in self._streams:
-            self._send_abort(request_id, reason)
-
-    def _send_abort(self, request_id: str, reason: str) -> None:
-        self._send_admissions()  # an abort must reach the core after the request it cancels
-        self._send_quietly(("abort", request_id, reason))
-
-    def reload_config(self, new: RuntimeConfig) -> None:
-        """Checked here as the engine would (RestartRequired at once), staged in the core."""
-        if not isinstance(new, RuntimeConfig):
-            raise ValueError(f"expected a RuntimeConfig, got {type(new).__name__}")
-        changed = restart_field_changes(self.engine.config, new)
-        if changed:
-            error = RestartRequired(changed)
-            self.engine.relay(("config", new, False, str(error), self.engine.max_model_len))
-            raise error
-        try:
-            self._send(("reload", new))
-        except AdmissionError as exc:  # the core is gone
-            raise ValueError(exc.message) from None
-
-    # ------------------------------------------------------------------ the pipes
-
-    def _send(self, message: tuple) -> None:
-        """To the core; a core that is gone makes it a 503."""
-        try:
-            with self._send_lock:
-                self._commands.send(message)
-        except (OSError, ValueError) as exc:
-            self._core_gone(f"the engine core is gone ({type(exc).__name__})")
-            raise AdmissionError(503, "unavailable", f"the engine has stopped: {self.error}", 1.0) from None
-
-    def _queue_admission(self, entry: tuple) -> None:
-        """Admissions asked for in one turn of the event loop go to the core in one message
-        (a burst of arrivals costs one pipe write and one wake-up of the core's command thread,
-        not one each)."""
-        self._admissions.append(entry)
-        if len(self._admissions) == 1:
-            self._loop.call_soon(self._send_admissions)
-
-    def _send_admissions(self) -> None:
-        batch, self._admissions = self._admissions, []
-        if not batch:
-            return
-        try:
-            self._send(("admit", batch))
-        except AdmissionError as exc:
-            for call, _, _ in batch:
-                self._resolve([(call, ("refused", (exc.status, exc.reason, exc.message, exc.retry_after_s)))])
-
-    def _send_quietly(self, message: tuple) -> None:
-        try:
-            self._send(message)
-        except AdmissionError:
-            pass  # the core is gone: its requests are failed already
-
-    def _read_events(self) -> None:
-        """The reader thread: observers run here (as they ran on the step thread before);
-        outputs and replies go to the event loop."""
-        view = self.engine
-        while True:
-            try:
-                message = self._events.recv()
-            except (EOFError, OSError):
-                break
-            kind = message[0]
-            if kind == "step":
-                _, outputs, events, snapshot = message
-                for event in events:
-                    view.relay(event)
-                if snapshot is not None:
-                    view._snapshot = snapshot
-                if outputs:
-                    self._call_soon(self._dispatch_outputs, outputs)
-            elif kind == "replies":
-                self._call_soon(self._resolve, message[1])
-            elif kind == "dead":
-                self._call_soon(self._core_gone, f"engine error: {message[1]}")
-                return
-            elif kind == "stopped":
-                self._call_soon(self._stopped.set)
-                return
-        exit_code = self._process.exitcode
-        self._call_soon(self._core_gone, f"the engine core exited (exit code {exit_code})")
-
-    def _call_soon(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is left to serve
-            pass
-
-    def _dispatch_outputs(self, outputs: list[RequestOutput]) -> None:
-        streams = self._streams
-        for output in outputs:
-            stream = streams.get(output.request_id)
-            if stream is not None and stream.request.first_scheduled_time is None:
-                stream.request.first_scheduled_time = output.scheduled_at
-        self._dispatch(outputs)
-
-    def _resolve(self, replies: list) -> None:
-        for call, result in replies:
-            future = self._calls.get(call)
-            if future is not None and not future.done():
-                future.set_result(result)
-
-    def _core_gone(self, message: str) -> None:
-        """The core died (or its pipe broke): unhealthy for good; every stream and pending
-        admission ends with the error."""
-        if self._stopped is not None and self._stopped.is_set():
-            return
-        if self.healthy:
-            log.error("engine core: %s", message)
-            self.healthy = False
-            self.error = RuntimeError(message)
-        for future in self._calls.values():
-            if not future.done():
-                future.set_result(("refused", (503, "unavailable", f"the engine has stopped: {message}", 1.0)))
-        self._fail_streams(message)
-        if self._stopped is not None:
-            self._stopped.set()

@@ -94,7 +94,7 @@ class RequestOutput:
     request_id: str
     lane: str
     new_token_ids: list[int]
-    new_text: str  # incremental detokenized text ("" without tokenizer)
+    new_text: str  # incremental detokenized text ("" without tokenizer, or when detokenize=False)
     finished: bool
     finish_reason: Optional[FinishReason]
     finish_detail: str  # e.g. "queue_timeout", "stop_string", "eos", rejection reason
@@ -111,7 +111,7 @@ class RequestOutput:
     scheduled_at: Optional[float] = None
 
 
-class _TextState:
+class TextState:
     """One request's streamed text: incremental detokenizer plus stop-string hold-back.
 
     Text that could be the start of a stop string is held back until it is clear either
@@ -192,11 +192,15 @@ class LLMEngine:
         executor: Executor,
         tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        detokenize: bool = True,
     ) -> None:
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
-        if tokenizer is not None:
+        # False: outputs carry token ids only, and stop strings are left to the caller (the
+        # engine core process, whose API process detokenizes: runtime/engine/client.py).
+        self.detokenize = detokenize
+        if tokenizer is not None and detokenize:
             from tokenlane.runtime.engine.tokenizer import byte_level_table
 
             byte_level_table(tokenizer)  # built here, not by the step loop's first request
@@ -228,7 +232,7 @@ class LLMEngine:
         self._kv_releases: list[tuple[str, float]] = []  # (lane, seconds) of this step
         self._oom_events = 0  # of this step
         self._pending_config: Optional[RuntimeConfig] = None
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, TextState] = {}
         self._failures = 0
         self._prefix_counters = (0, 0)
         self._queued_since_step: dict[str, int] = {}  # lane -> requests queued since the last step
@@ -259,7 +263,8 @@ class LLMEngine:
         return min(limits)
 
     @classmethod
-    def from_config(cls, config: RuntimeConfig, clock: Callable[[], float] = time.monotonic) -> "LLMEngine":
+    def from_config(cls, config: RuntimeConfig, clock: Callable[[], float] = time.monotonic,
+                    detokenize: bool = True) -> "LLMEngine":
         if config.engine.executor == "simulated":
             from tokenlane.runtime.executor.simulated import SimulatedExecutor
 
@@ -268,7 +273,7 @@ class LLMEngine:
         from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
-        return cls(config, ModelExecutor(config), tokenizer=tokenizer, clock=clock)
+        return cls(config, ModelExecutor(config), tokenizer=tokenizer, clock=clock, detokenize=detokenize)
 
     # ------------------------------------------------------------------ requests in
 
@@ -573,14 +578,14 @@ class LLMEngine:
         scheduler = self.scheduler
         by_id: dict[str, RequestOutput] = {}
         outputs: list[RequestOutput] = []
-        tokenizer = self.tokenizer
+        tokenizer = self.tokenizer if self.detokenize else None
         for request in got_token:
             new_text = ""
             if tokenizer is not None:
                 try:
                     state = self._text.get(request.request_id)
                     if state is None:
-                        state = self._text[request.request_id] = _TextState(tokenizer, request)
+                        state = self._text[request.request_id] = TextState(tokenizer, request)
                     new_text, stopped = state.add(request.output_token_ids[-1:])
                 except Exception as exc:  # this request's text only: it fails, the step goes on
                     log.exception("detokenizing %s failed", request.request_id)

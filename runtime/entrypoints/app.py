@@ -2,7 +2,7 @@
 recorder's steps, error handlers that keep every error in OpenAI's shape, and the state the
 endpoints share.
 
-    HTTP (FastAPI) -> router (tenant, lane, deadline) -> AsyncEngine.submit (admission)
+    HTTP (FastAPI) -> router (tenant, lane, deadline) -> EngineClient.submit (admission)
     -> RequestStream -> JSON body, or SSE events `data: {...}` ... `data: [DONE]`
 
 The generation endpoints themselves are in runtime/entrypoints/completions.py.
@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenlane.runtime.entrypoints.completions import generate
 from tokenlane.runtime.config import RuntimeConfig, dumps_config
+from tokenlane.runtime.engine.client import EngineClient
 from tokenlane.runtime.engine.config_watch import ConfigWatcher
 from tokenlane.runtime.observability.flight_recorder import (
     DEFAULT_CAPACITY,
@@ -156,23 +157,22 @@ class ServerOptions:
 class ServerState:
     """What the endpoints share: the engine, metrics, config watcher and draining state."""
 
-    def __init__(self, async_engine, metrics: PrometheusMetrics, watcher: Optional[ConfigWatcher],
+    def __init__(self, client: EngineClient, metrics: PrometheusMetrics, watcher: Optional[ConfigWatcher],
                  options: ServerOptions) -> None:
-        self.async_engine = async_engine
-        self.engine = async_engine.engine
+        self.client = client
         self.metrics = metrics
         self.watcher = watcher
         self.options = options
-        self.vocab_size: Optional[int] = async_engine.vocab_size
-        self.codec = TextCodec(self.engine.tokenizer, self.vocab_size)
-        self.token_texts = TokenTexts(self.engine.tokenizer)
-        self.supports_logprobs = self.engine.supports_logprobs
-        self.model_name = self.engine.config.model.name
+        self.vocab_size: Optional[int] = client.vocab_size
+        self.codec = TextCodec(client.tokenizer, self.vocab_size)
+        self.token_texts = TokenTexts(client.tokenizer)
+        self.supports_logprobs = client.supports_logprobs
+        self.model_name = client.config.model.name
         self.draining = False
         self._drain_task: Optional[asyncio.Task] = None
         self.recorder: Optional[FlightRecorder] = None
         if options.flight_recorder_steps > 0:
-            self.recorder = FlightRecorder(options.flight_recorder_steps, self.engine.config)
+            self.recorder = FlightRecorder(options.flight_recorder_steps, client.config)
         # Flight recorder reads (dumps, /debug/steps) have a thread of their own: in asyncio's
         # default executor they would queue behind tokenization (long prompts, /tokenize)
         # under a flood, and the operator's dump at a rollback gives up after a few seconds.
@@ -180,14 +180,14 @@ class ServerState:
 
     @property
     def config(self) -> RuntimeConfig:
-        return self.engine.config  # the config in force (hot reloads land here)
+        return self.client.config  # the config in force (hot reloads land here)
 
     def write_dump(self, reason: str) -> Path:
         """Write the recorded steps, a metrics snapshot and the config in force to one JSON
         file under options.dump_dir; its path. Blocking (file I/O, JSON encoding): call it
         off the event loop. OSError if the file cannot be written."""
         try:
-            self.metrics.set_occupancy(self.engine.snapshot())
+            self.metrics.set_occupancy(self.client.snapshot())
         except Exception:  # a dump must not fail because of a racing step
             log.debug("snapshot for the dump failed", exc_info=True)
         steps = self.recorder.entries() if self.recorder is not None else []
@@ -216,47 +216,46 @@ class ServerState:
             log.info("draining: refusing new requests; in-flight work has %.0fs to finish",
                      self.options.shutdown_grace_s)
             self._drain_task = asyncio.get_running_loop().create_task(
-                self.async_engine.shutdown(self.options.shutdown_grace_s), name="drain"
+                self.client.shutdown(self.options.shutdown_grace_s), name="drain"
             )
         return self._drain_task
 
 
 def create_app(
-    async_engine,
+    client: EngineClient,
     config_source: Union[None, str, Path, ConfigWatcher] = None,
     *,
     metrics: Optional[PrometheusMetrics] = None,
     options: Optional[ServerOptions] = None,
 ) -> FastAPI:
-    """The FastAPI app serving `async_engine`.
+    """The FastAPI app serving the engine behind `client`.
 
     `config_source`: the config file to watch for hot reloads (a path, or a ready
-    ConfigWatcher), or None to serve `async_engine.engine.config` unchanged.
-    The engine's step loop is started (and drained) by the app's lifespan.
+    ConfigWatcher), or None to serve `client.config` unchanged.
+    The engine is started (and drained) by the app's lifespan.
     """
     options = options or ServerOptions()
-    engine = async_engine.engine
-    metrics = metrics or PrometheusMetrics(engine.config.model.name)
+    metrics = metrics or PrometheusMetrics(client.config.model.name)
     watcher: Optional[ConfigWatcher]
     if config_source is None or isinstance(config_source, ConfigWatcher):
         watcher = config_source
     else:
-        watcher = ConfigWatcher(config_source, engine.config, async_engine, recorder=metrics,
+        watcher = ConfigWatcher(config_source, client.config, client, recorder=metrics,
                                 transform=options.config_transform, interval_s=options.config_poll_interval_s)
-    state = ServerState(async_engine, metrics, watcher, options)
+    state = ServerState(client, metrics, watcher, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        metrics.set_config(engine.config)
-        engine.add_observer(metrics)
+        metrics.set_config(client.config)
+        client.add_observer(metrics)
         if state.recorder is not None:
-            state.recorder.set_config(engine.config)
-            engine.add_observer(state.recorder)
-        engine.add_observer(RequestLog())
-        await async_engine.start()
+            state.recorder.set_config(client.config)
+            client.add_observer(state.recorder)
+        client.add_observer(RequestLog())
+        await client.start()
         if watcher is not None:
             watcher.start()
-        log.info("serving %s (lanes: %s)", state.model_name, ", ".join(l.name for l in engine.config.lanes))
+        log.info("serving %s (lanes: %s)", state.model_name, ", ".join(l.name for l in client.config.lanes))
         try:
             yield
         finally:
@@ -299,14 +298,14 @@ def create_app(
 
     @app.get("/health", responses=_errors(503))
     async def health():
-        if state.async_engine.healthy:
+        if client.healthy:
             return {"status": "ok"}
         return error_response(503, "engine step loop is not running", code="engine_dead")
 
     @app.get("/ready", responses=_errors(503))
     async def ready():
-        if state.draining or not state.async_engine.ready:
-            why = "draining" if state.draining or state.async_engine.draining else "not_started"
+        if state.draining or not client.ready:
+            why = "draining" if state.draining or client.draining else "not_started"
             return error_response(503, f"not ready: {why}", code=why, retry_after_s=DRAINING_RETRY_AFTER_S)
         return {"status": "ready", "model": state.model_name}
 
@@ -314,7 +313,7 @@ def create_app(
              responses={200: {"description": "Prometheus text exposition format 0.0.4"}})
     async def prometheus_metrics(http: HTTPRequest):
         try:
-            metrics.set_occupancy(engine.snapshot())  # fresh gauges even when the engine idles
+            metrics.set_occupancy(client.snapshot())  # fresh gauges even when the engine idles
         except Exception:  # a scrape must not fail because of a racing step
             log.debug("snapshot for /metrics failed", exc_info=True)
         return Response(metrics.render(http.query_params.getlist("name[]")), media_type=CONTENT_TYPE)
@@ -330,7 +329,7 @@ def create_app(
 
     @app.get("/v1/models", responses=_errors(401))
     async def models(who: Caller = Depends(caller)):
-        card = ModelCard(id=state.model_name, max_model_len=engine.max_model_len)
+        card = ModelCard(id=state.model_name, max_model_len=client.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
@@ -338,7 +337,7 @@ def create_app(
         if model_id != state.model_name:
             return error_response(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
                                   code="model_not_found", param="model")
-        return ModelCard(id=state.model_name, max_model_len=engine.max_model_len).model_dump()
+        return ModelCard(id=state.model_name, max_model_len=client.max_model_len).model_dump()
 
     @app.get("/debug/steps", responses={
         200: {"description": "The flight recorder's steps, oldest first, one JSON object a line",
@@ -391,7 +390,7 @@ def create_app(
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await asyncio.to_thread(state.codec.encode_text, body.prompt, add)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump()
+        return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids).model_dump()
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 401, 404))
     async def detokenize(body: DetokenizeRequest, who: Caller = Depends(caller)):

@@ -181,8 +181,8 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
     # A batch goes to one lane, chosen by its longest prompt.
     lane = choose_lane(config, caller, http.headers, max(len(ids) for ids, _ in prompts))
     deadline_ms = parse_deadline_ms(http.headers)
-    max_len = state.engine.max_model_len
-    now = state.engine.clock()
+    max_len = state.client.max_model_len
+    now = state.client.clock()
     jobs = []
     for i, (prompt_ids, text) in enumerate(prompts):
         max_tokens = body.requested_max_tokens if chat else body.max_tokens
@@ -299,9 +299,9 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
         group = jobs[p * per_prompt : (p + 1) * per_prompt]
         try:
             if per_prompt == 1:
-                group[0].stream = await state.async_engine.submit_async(group[0].request)
+                group[0].stream = await state.client.submit(group[0].request)
             else:  # the prompt's sequences are admitted together (they share its KV)
-                streams = await state.async_engine.submit_group_async([job.request for job in group])
+                streams = await state.client.submit_group([job.request for job in group])
                 for job, stream in zip(group, streams):
                     job.stream = stream
         except AdmissionError as exc:

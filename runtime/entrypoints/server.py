@@ -199,10 +199,10 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
         print(f"tokenlane serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
 
-    from tokenlane.runtime.engine.core_process import open_engine
+    from tokenlane.runtime.engine.client import open_client
 
     try:
-        async_engine = open_engine(config)
+        client = open_client(config)
     except (ValueError, OSError) as exc:
         print(f"tokenlane serve: cannot load {config.model.path}: {exc}", file=sys.stderr)
         return 1
@@ -220,13 +220,13 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
         flight_recorder_steps=args.flight_recorder_steps,
         dump_dir=args.dump_dir or default_dump_dir(),
     )
-    app = create_app(async_engine, args.config, options=options)
+    app = create_app(client, args.config, options=options)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, lifespan="on")
     server = GracefulServer(uv_config, app.state.tokenlane)
     freeze_startup_heap()
     server.run()
-    code = 0 if async_engine.healthy or app.state.tokenlane.draining else 1
+    code = 0 if client.healthy or app.state.tokenlane.draining else 1
     log.info("shutdown complete; exit %d", code)
     if exit_when_served:
         end_process(code)

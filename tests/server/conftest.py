@@ -1,7 +1,7 @@
 """Server test harness: the real engine and tiny model behind real uvicorn on loopback.
 
 `serve(yaml_text)` writes the config (with `{model}` replaced by the tiny checkpoint) to a
-temporary runtime.yaml, builds `AsyncEngine.from_config`, and runs `create_app` under
+temporary runtime.yaml, opens its engine (`open_client`), and runs `create_app` under
 uvicorn in a background thread on 127.0.0.1 with an OS-chosen port. Every server is shut
 down at the end of the test (or module, for `shared_server`).
 """
@@ -58,7 +58,8 @@ class LiveServer:
 
     @property
     def engine(self):
-        return self.state.engine
+        """The LLMEngine of an in-process server (the tests reach into it)."""
+        return self.state.client.llm_engine
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60.0), **kwargs)
@@ -97,13 +98,13 @@ def start_server(config_text: str, model_dir: Path, tmp_dir: Path, *, grace_s: f
     `engine.coreProcess: true` in the config the engine runs in its own process, and
     `on_core_start` is its `on_start` hook (see core_hooks.py); unset, it runs in this
     process whatever the host (the tests reach into the in-process engine)."""
-    from tokenlane.runtime.engine.core_process import open_engine
+    from tokenlane.runtime.engine.client import open_client
 
     config_path = tmp_dir / "runtime.yaml"
     config_path.write_text(config_text.format(model=model_dir))
     config = load_config(config_path)
-    async_engine = open_engine(config, on_core_start, own_process=bool(config.engine.core_process))
-    app = create_app(async_engine, config_path,
+    client = open_client(config, on_core_start, own_process=bool(config.engine.core_process))
+    app = create_app(client, config_path,
                      options=ServerOptions(shutdown_grace_s=grace_s, config_poll_interval_s=0.05))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -24,7 +24,7 @@ from serve_process import start_serve
 
 from tokenlane.runtime.config import load_config
 from tokenlane.runtime.engine.llm_engine import LLMEngine
-from tokenlane.runtime.engine.core_process import ProcessEngine
+from tokenlane.runtime.engine.client import CoreProcessClient, EngineClient
 from tokenlane.runtime.core.request import Request, SamplingParams
 from tokenlane.runtime.engine.tokenizer import apply_chat_template, encode_prompt
 
@@ -99,10 +99,10 @@ def _stream_chunks(url: str, payload: dict, on_first=None) -> tuple[int, list]:
 
 
 def test_the_engine_runs_in_its_own_process(core_server):
-    front = core_server.state.async_engine
-    assert isinstance(front, ProcessEngine)
-    assert front._process.is_alive() and front._process.pid != os.getpid()
-    assert core_server.engine.max_model_len == 512 and core_server.engine.vocab_size > 0
+    client = core_server.state.client
+    assert isinstance(client, CoreProcessClient) and isinstance(client, EngineClient)
+    assert client._process.is_alive() and client._process.pid != os.getpid()
+    assert client.max_model_len == 512 and client.vocab_size > 0
     assert httpx.get(core_server.url + "/ready").json()["status"] == "ready"
 
 
@@ -121,6 +121,28 @@ def test_greedy_text_equals_an_offline_engine(core_server, offline):
     expected_chat = offline(apply_chat_template(offline.tokenizer, messages), max_tokens=8, temperature=0.0)
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
     assert chat.choices[0].message.content == expected_chat
+
+
+def test_stop_strings_are_found_in_the_api_process_and_end_the_request_in_the_core(core_server, offline):
+    """The core returns token ids; the API process detokenizes and cuts at a stop string,
+    as the in-process engine does, and the request ends in the core (its blocks freed)."""
+    core_server.wait_metric("tokenlane_requests_running", lambda v: v == 0)
+    free0 = core_server.metric("tokenlane_kv_blocks_free")
+    ids = encode_prompt(offline.tokenizer, PROMPT)
+    text = offline(ids, max_tokens=12, temperature=0.0, ignore_eos=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    expected = offline(ids, max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    assert expected == text[: text.index(stop)]
+    client = openai.OpenAI(base_url=core_server.url + "/v1", api_key="unused", max_retries=0)
+    done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].text == expected and done.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0,
+                                            stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    core_server.wait_metric("tokenlane_requests_running", lambda v: v == 0)
+    core_server.wait_metric("tokenlane_kv_blocks_free", lambda v: v == free0)
 
 
 def test_structured_output_reaches_the_core(core_server):
@@ -228,7 +250,7 @@ def test_a_core_that_dies_fails_its_streams_and_the_health_probe(serve, tmp_path
     gate = tmp_path / "hold"
     gate.write_text("3")  # the core holds before its third step: streams stay open
     live = serve(SIMULATED_CORE, on_core_start=functools.partial(hold_from_step, str(gate)))
-    core = live.state.async_engine._process
+    core = live.state.client._process
 
     status, events = _stream_chunks(live.url, {"prompt": [4] * 10, "max_tokens": 100, "ignore_eos": True},
                                     on_first=lambda: os.kill(core.pid, signal.SIGKILL))
@@ -250,13 +272,13 @@ def test_a_core_that_dies_fails_its_streams_and_the_health_probe(serve, tmp_path
 
 def test_an_admission_waiting_on_a_dead_core_is_answered(serve):
     live = serve(SIMULATED_CORE)
-    core = live.state.async_engine._process
+    core = live.state.client._process
     os.kill(core.pid, signal.SIGSTOP)  # the core cannot answer: the admission waits
     try:
         async def main():
             async with httpx.AsyncClient(base_url=live.url, timeout=60) as client:
                 pending = asyncio.create_task(client.post("/v1/completions", json={"prompt": [4] * 5, "max_tokens": 2}))
-                while not live.state.async_engine._calls:  # the add is on its way to the core
+                while not live.state.client._calls:  # the add is on its way to the core
                     await asyncio.sleep(0.01)
                 assert not pending.done()
                 os.kill(core.pid, signal.SIGKILL)
@@ -272,7 +294,7 @@ def test_an_admission_waiting_on_a_dead_core_is_answered(serve):
 def test_a_core_that_cannot_load_is_a_clear_start_up_error(tmp_path):
     config = load_config(_write(tmp_path, CORE.format(model=tmp_path / "missing")))
     with pytest.raises(ValueError, match="missing"):
-        ProcessEngine.from_config(config)
+        CoreProcessClient.from_config(config)
     proc = subprocess.run([sys.executable, "-m", "tokenlane.cli", "serve", "--model", str(tmp_path / "missing"),
                            "--core-process", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
