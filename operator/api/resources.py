@@ -1,36 +1,28 @@
 """Parse and validate ModelService / ServingLane objects (raw dicts) into small dataclasses.
 
 The spec keeps the CRD's camelCase shape (a defaulted, validated dict) so builders read it the
-way users write it. Validation is what the API server would do (structural schema via
-jsonschema, the CEL rules re-stated in Python) so the operator behaves the same on a server
-that validates nothing (the kmock emulator) and in `tokenlane render`. Mistakes raise
-`ValueError` naming the field (`spec.scheduler.kvCacheHighWatermark: ...`).
+way users write it; `settings` holds the parts the timers read as typed values (spec.py).
+Validation is what the API server would do (structural schema via jsonschema, the CEL rules
+re-stated in Python) so the operator behaves the same on a server that validates nothing (the
+kmock emulator) and in `tokenlane render`. Mistakes raise `ValueError` naming the field
+(`spec.scheduler.kvCacheHighWatermark: ...`).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping, Optional
 
 import jsonschema
 
 from tokenlane.operator.api import schema as crd_schema
+from tokenlane.operator.api.spec import LaneSettings, ModelServiceSettings
 
 API_VERSION = crd_schema.API_VERSION
 MODEL_SERVICE = "ModelService"
 SERVING_LANE = "ServingLane"
-
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a Go-style duration ('90s', '5m', '1h30m')."""
-    if not re.fullmatch(crd_schema.DURATION_PATTERN, text or ""):
-        raise ValueError(f"{text!r} is not a duration like 30s, 5m or 1h30m")
-    return sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(text))
-
 
 @dataclass(frozen=True)
 class ObjectRef:
@@ -55,6 +47,11 @@ class ModelService:
     def namespace(self) -> str:
         return self.ref.namespace
 
+    @cached_property
+    def settings(self) -> ModelServiceSettings:
+        """The spec parts the timers read, typed, with the CRD's defaults (built once)."""
+        return ModelServiceSettings.from_spec(self.spec)
+
 
 @dataclass(frozen=True)
 class ServingLane:
@@ -75,6 +72,11 @@ class ServingLane:
     @property
     def dedicated(self) -> bool:
         return self.spec.get("isolation") == "dedicated"
+
+    @cached_property
+    def settings(self) -> LaneSettings:
+        """The spec parts the timers read, typed, with the CRD's defaults (built once)."""
+        return LaneSettings.from_spec(self.spec)
 
 
 def _format_error(err: jsonschema.ValidationError) -> str:
@@ -179,8 +181,10 @@ def parse_model_service(body: Mapping[str, Any]) -> ModelService:
     _check(len(ref.name) <= 50, f"metadata.name: {ref.name!r} is longer than 50 characters "
                                 "(names of owned objects derive from it)")
     meta = body.get("metadata") or {}
-    return ModelService(ref=ref, spec=spec, labels=dict(meta.get("labels") or {}),
+    msvc = ModelService(ref=ref, spec=spec, labels=dict(meta.get("labels") or {}),
                         status=dict(body.get("status") or {}))
+    msvc.settings  # typed once, here: a spec it cannot type is refused with the rest
+    return msvc
 
 
 def parse_serving_lane(body: Mapping[str, Any]) -> ServingLane:
@@ -192,6 +196,7 @@ def parse_serving_lane(body: Mapping[str, Any]) -> ServingLane:
                        deleting=bool(meta.get("deletionTimestamp")), status=dict(body.get("status") or {}))
     _check(bool(re.fullmatch(crd_schema.DNS_LABEL_PATTERN, lane.lane_name)) and len(lane.lane_name) <= 63,
            f"spec.laneName: {lane.lane_name!r} is not a DNS-1123 label (set spec.laneName)")
+    lane.settings  # typed once, here
     return lane
 
 

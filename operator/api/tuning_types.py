@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
+from tokenlane.operator.api.enums import StrEnum
 from tokenlane.runtime.config import TUNED_KNOBS, RuntimeConfig, SLOConfig
 
 GLOBAL = "global"  # scope of the global knobs in KnobChange.scope
@@ -19,7 +20,37 @@ LANE_KNOBS = tuple(k.key for k in TUNED_KNOBS if k.in_lane)
 GLOBAL_KNOBS = tuple(k.key for k in TUNED_KNOBS if not k.in_lane)
 STEP = {k.key: k.tuner_step for k in TUNED_KNOBS}  # smallest meaningful step (values are rounded to it)
 
-HOLD, ADJUST, PROBE, REVERT = "hold", "adjust", "probe", "revert"
+
+
+class TunerAction(StrEnum):
+    """What one tuning decision did (status.tuning.history[*].action)."""
+
+    HOLD = "hold"
+    ADJUST = "adjust"
+    PROBE = "probe"
+    REVERT = "revert"
+
+
+HOLD, ADJUST, PROBE, REVERT = TunerAction.HOLD, TunerAction.ADJUST, TunerAction.PROBE, TunerAction.REVERT
+
+
+class Verdict(StrEnum):
+    """How a decision judged the change in flight (status.tuning.history[*].verdict)."""
+
+    KEPT = "kept"
+    REVERTED = "reverted"
+    INCONCLUSIVE = "inconclusive"  # the window could not tell (load changed, no data, something else changed)
+
+
+class HoldReason(StrEnum):
+    """Why the tuner holds without acting on data: the reason of the Tuning=False condition
+    (status.tuning.held). A hold for a reason of policy (cooldown, bounds) is none of these."""
+
+    VERIFYING_REVISION = "VerifyingRevision"
+    ROLLING_BACK = "RollingBack"
+    SETTLING_WINDOW = "SettlingWindow"  # the window spans a change of the config in force
+    PROMETHEUS_UNAVAILABLE = "PrometheusUnavailable"
+    INSUFFICIENT_DATA = "InsufficientData"
 
 
 # --------------------------------------------------------------------------- inputs
@@ -278,48 +309,50 @@ class DecisionRecord:
     """What history keeps of a decision (status.lastDecisions)."""
 
     at: float
-    action: str  # hold | adjust | probe | revert
+    action: TunerAction
     reason: str
     changes: tuple[KnobChange, ...] = ()
     objective: Optional[Objective] = None  # the objective measured when the decision was made
     judged: Optional[float] = None  # `at` of the change this decision judged (kept or reverted)
-    verdict: str = ""  # kept | reverted | inconclusive
+    verdict: Optional[Verdict] = None
 
     def to_dict(self) -> dict:
-        out: dict = {"at": self.at, "action": self.action, "reason": self.reason}
+        # Plain strings in status: the enums' values, byte for byte.
+        out: dict = {"at": self.at, "action": str(self.action), "reason": self.reason}
         if self.changes:
             out["changes"] = [c.to_dict() for c in self.changes]
         if self.objective is not None:
             out["objective"] = self.objective.to_dict()
         if self.judged is not None:
             out["judged"] = self.judged
-            out["verdict"] = self.verdict
+            out["verdict"] = "" if self.verdict is None else str(self.verdict)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "DecisionRecord":
         return cls(
             at=float(data["at"]),
-            action=str(data["action"]),
+            action=TunerAction(data["action"]),
             reason=str(data.get("reason", "")),
             changes=tuple(KnobChange.from_dict(c) for c in data.get("changes") or ()),
             objective=Objective.from_dict(data.get("objective")),
             judged=data.get("judged"),
-            verdict=str(data.get("verdict", "")),
+            verdict=Verdict(data["verdict"]) if data.get("verdict") else None,
         )
 
 
 @dataclass(frozen=True)
 class Decision:
     at: float
-    action: str
+    action: TunerAction
     budgets: EffectiveBudgets
     reason: str
     changes: tuple[KnobChange, ...] = ()
     slo: Mapping[str, LaneSLO] = field(default_factory=dict)
     objective: Optional[Objective] = None
     judged: Optional[float] = None
-    verdict: str = ""
+    verdict: Optional[Verdict] = None
+    held: Optional[HoldReason] = None  # a hold for want of data (not kept in history)
 
     @property
     def changed(self) -> bool:

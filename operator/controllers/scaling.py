@@ -34,7 +34,8 @@ from tokenlane.operator.desired import builders
 from tokenlane.operator.clients import kube as k8s, reads
 from tokenlane.operator.desired import status as status_mod
 from tokenlane.operator.policy.autoscaler import AutoscalingPolicy, FleetSample, LaneSample, LaneScalingTarget, Recommendation
-from tokenlane.operator.api.resources import ModelService, ServingLane, parse_duration, parse_model_service
+from tokenlane.operator.api.resources import ModelService, ServingLane, parse_model_service
+from tokenlane.operator.api.spec import AutoscalingSpec
 from tokenlane.operator.clients.prometheus import PrometheusClient, PrometheusError, Series
 
 log = logging.getLogger("tokenlane.operator.controllers.scaling")
@@ -44,7 +45,9 @@ PREFIX = "tokenlane_"
 _LABEL_VALUE_RE = re.compile(r'^[^"\\\n]*$')
 
 # status.autoscaling.reason
-SCALED_UP, SCALED_DOWN, HOLDING, METRICS_UNAVAILABLE = "ScaledUp", "ScaledDown", "Holding", "MetricsUnavailable"
+ScalingReason = autoscaler.ScalingReason
+SCALED_UP, SCALED_DOWN, HOLDING, METRICS_UNAVAILABLE = (ScalingReason.SCALED_UP, ScalingReason.SCALED_DOWN,
+                                                        ScalingReason.HOLDING, ScalingReason.METRICS_UNAVAILABLE)
 
 
 # --------------------------------------------------------------------------- pure: spec -> policy
@@ -59,49 +62,50 @@ class AutoscalingSettings:
 
 
 def autoscaling_interval_s(raw: Mapping[str, Any]) -> float:
-    """`spec.autoscaling.interval` in seconds (the CRD's default, 30s, when absent); ValueError if invalid."""
-    return parse_duration(raw.get("interval") or "30s")
+    """`spec.autoscaling.interval` of a camelCase `spec.autoscaling` (kopf's cached one) in
+    seconds, the CRD's default when absent; ValueError if invalid."""
+    return AutoscalingSpec.from_spec(raw).interval_s
 
 
-def settings_from_spec(spec: Mapping[str, Any]) -> Optional[AutoscalingSettings]:
-    """The autoscaling settings of a (defaulted) ModelService spec; None when autoscaling is off.
+def settings_from_spec(spec: "AutoscalingSpec | Mapping[str, Any]") -> Optional[AutoscalingSettings]:
+    """The autoscaling settings of a ModelService's typed `spec.autoscaling`
+    (`ModelService.settings.autoscaling`) or of a camelCase spec; None when autoscaling is off.
     Raises ValueError naming the field, for a spec the API server would refuse."""
-    raw = spec.get("autoscaling") or {}
-    if not raw.get("enabled"):
+    a = spec if isinstance(spec, AutoscalingSpec) else AutoscalingSpec.from_spec(spec.get("autoscaling"))
+    if not a.enabled:
         return None
-    if not raw.get("prometheusUrl"):
+    if not a.prometheus_url:
         raise ValueError("spec.autoscaling: autoscaling.enabled needs autoscaling.prometheusUrl")
-    if raw.get("maxReplicas") is None:
+    if a.max_replicas is None:
         raise ValueError("spec.autoscaling: autoscaling.enabled needs autoscaling.maxReplicas")
-    lanes = []
-    for target in raw.get("lanes") or []:
-        queue_ms = target.get("queueDelayP95Ms")
-        attainment = target.get("sloAttainmentPercent")
-        lanes.append(LaneScalingTarget(target["lane"], None if queue_ms is None else queue_ms / 1000.0,
-                                       None if attainment is None else attainment / 100.0))
+    lanes = tuple(LaneScalingTarget(t.lane,
+                                    None if t.queue_delay_p95_ms is None else t.queue_delay_p95_ms / 1000.0,
+                                    None if t.slo_attainment_percent is None else t.slo_attainment_percent / 100.0)
+                  for t in a.lanes)
+    # Knobs the CRD leaves unset keep the policy's own defaults.
+    unset_is_default = {name: float(value) for name, value in (("headroom_replicas", a.headroom_replicas),
+                                                                ("target_utilization", a.target_utilization))
+                        if value is not None}
     try:
         policy = AutoscalingPolicy(
-            min_replicas=int(raw.get("minReplicas", 1)),
-            max_replicas=int(raw["maxReplicas"]),
-            lanes=tuple(lanes),
-            kv_usage_target=raw.get("kvUsageTarget", 0.75),
-            scale_up_stabilization_s=parse_duration((raw.get("scaleUp") or {}).get("stabilizationWindow") or "0s"),
-            scale_down_stabilization_s=parse_duration(
-                (raw.get("scaleDown") or {}).get("stabilizationWindow") or "5m"),
-            running_share_target=raw.get("runningShareTarget"),
-            headroom_replicas=float(raw.get("headroomReplicas", 0.0)),
-            target_utilization=float(raw.get("targetUtilization", 0.8)),
+            min_replicas=int(a.min_replicas),
+            max_replicas=int(a.max_replicas),
+            lanes=lanes,
+            kv_usage_target=a.kv_usage_target,
+            scale_up_stabilization_s=a.scale_up_stabilization_s,
+            scale_down_stabilization_s=a.scale_down_stabilization_s,
+            running_share_target=a.running_share_target,
+            **unset_is_default,
         )
     except ValueError as exc:
         raise ValueError(f"spec.autoscaling: {exc}") from None
-    return AutoscalingSettings(policy, raw["prometheusUrl"], autoscaling_interval_s(raw),
-                               parse_duration(raw.get("window") or "2m"))
+    return AutoscalingSettings(policy, a.prometheus_url, a.interval_s, a.window_s)
 
 
 def ttft_targets(lanes: list[ServingLane]) -> dict[str, float]:
     """laneName -> the lane's slo.ttftP95Ms in seconds: what SLO attainment is measured against."""
-    return {lane.lane_name: lane.spec["slo"]["ttftP95Ms"] / 1000.0 for lane in lanes
-            if not lane.deleting and (lane.spec.get("slo") or {}).get("ttftP95Ms")}
+    return {lane.lane_name: lane.settings.slo.ttft_p95_ms / 1000.0 for lane in lanes
+            if not lane.deleting and lane.settings.slo.ttft_p95_ms}
 
 
 # --------------------------------------------------------------------------- pure: Prometheus -> sample
@@ -221,7 +225,7 @@ async def read_prometheus(url: str, model: str, window_s: float, targets_s: Mapp
 # --------------------------------------------------------------------------- pure: decision -> status
 
 
-def reason_of(decision: autoscaler.ScalingDecision, sample: Optional[FleetSample]) -> str:
+def reason_of(decision: autoscaler.ScalingDecision, sample: Optional[FleetSample]) -> ScalingReason:
     if decision.action == autoscaler.UP:
         return SCALED_UP
     if decision.action == autoscaler.DOWN:
@@ -232,12 +236,12 @@ def reason_of(decision: autoscaler.ScalingDecision, sample: Optional[FleetSample
 
 
 def autoscaling_status(previous: Optional[Mapping[str, Any]], current: int, decision: autoscaler.ScalingDecision,
-                       reason: str, now: str) -> dict:
+                       reason: ScalingReason, now: str) -> dict:
     """status.autoscaling after a decision. Equal to `previous` unless the counts or the reason
     changed: the message keeps the numbers of the decision that changed them (live numbers are
     metrics, not status writes)."""
     previous = dict(previous or {})
-    wanted = {"currentReplicas": current, "desiredReplicas": decision.desired, "reason": reason}
+    wanted = {"currentReplicas": current, "desiredReplicas": decision.desired, "reason": str(reason)}
     if all(previous.get(k) == v for k, v in wanted.items()) and "message" in previous:
         return previous
     out = {**wanted, "message": decision.reason[:4096]}
@@ -307,7 +311,7 @@ async def tick(a: Autoscaling, client: k8s.KubeClient, executor: k8s.Executor, l
     """One timer call for ModelService namespace/name (`spec`, `status`: as kopf last saw them,
     to skip the disabled and the not yet due ones without a request). Returns the decision when
     one was made."""
-    if not (spec.get("autoscaling") or {}).get("enabled"):
+    if not (spec.get("autoscaling") or {}).get("enabled"):  # kopf's cached spec, before any parse
         a.forget(namespace, name)
         if (status or {}).get("autoscaling") is not None:  # turned off: its last decision no longer holds
             async with lock:
@@ -322,7 +326,7 @@ async def tick(a: Autoscaling, client: k8s.KubeClient, executor: k8s.Executor, l
         return None
     try:
         msvc = parse_model_service(body)
-        settings = settings_from_spec(msvc.spec)
+        settings = settings_from_spec(msvc.settings.autoscaling)
     except ValueError:
         return None  # the reconcile reports an invalid spec
     if settings is None:

@@ -51,7 +51,8 @@ from tokenlane.operator.clients import dumps, kube as k8s, last_known_good, read
 from tokenlane.operator.controllers import handlers, metrics
 from tokenlane.operator.policy import rollout, tuner
 from tokenlane.operator.desired import status as status_mod
-from tokenlane.operator.api.resources import ModelService, ServingLane, parse_duration, parse_model_service
+from tokenlane.operator.api.resources import ModelService, ServingLane, parse_model_service
+from tokenlane.operator.api.spec import ModelServiceSettings, TuningSpec
 from tokenlane.operator.clients.prometheus import PrometheusClient
 from tokenlane.operator.api.tuning_types import (
     GLOBAL,
@@ -64,10 +65,12 @@ from tokenlane.operator.api.tuning_types import (
     Decision,
     DecisionRecord,
     EffectiveBudgets,
+    HoldReason,
     LaneSLO,
     LaneTarget,
     MetricSample,
     TunerSettings,
+    Verdict,
 )
 from tokenlane.runtime.config import CAP_MIN, FALLBACK_SCALED_KEYS
 from tokenlane.runtime.config import knob as knob_of
@@ -112,8 +115,9 @@ def _object_key(body: Mapping[str, Any]) -> tuple[str, str, str]:
 
 
 def tuning_interval_s(spec: Mapping[str, Any]) -> float:
-    """`spec.tuning.interval` in seconds (the CRD's default, 60s, when absent); ValueError if invalid."""
-    return parse_duration((spec.get("tuning") or {}).get("interval") or "60s")
+    """`spec.tuning.interval` of a camelCase spec (kopf's cached one) in seconds, the CRD's
+    default when absent; ValueError if invalid."""
+    return TuningSpec.from_spec(spec.get("tuning")).interval_s
 
 
 @dataclass
@@ -155,21 +159,26 @@ class Tuning:
 # --------------------------------------------------------------------------- pure helpers
 
 
-def settings_from_spec(spec: Mapping[str, Any]) -> TunerSettings:
-    t = spec.get("tuning") or {}
+def tuner_settings(settings: ModelServiceSettings) -> TunerSettings:
+    """The tuner's settings from a ModelService's typed spec."""
+    t = settings.tuning
     global_bounds = {}
     for knob in GLOBAL_KNOBS:  # moved only with both sides declared
-        bounds = (t.get("bounds") or {}).get(knob)
-        if bounds and "min" in bounds and "max" in bounds:
-            global_bounds[knob] = Bounds(float(bounds["min"]), float(bounds["max"]))
-    window = parse_duration(t.get("window") or "5m")
+        bounds = t.bounds.get(knob)
+        if bounds is not None and bounds.complete:
+            global_bounds[knob] = Bounds(float(bounds.min), float(bounds.max))
     return TunerSettings(
-        cooldown_s=parse_duration(t.get("cooldown") or "300s"),
-        window_s=window,
-        max_step_fraction=float(t.get("maxStepPercent", 25)) / 100.0,
-        reject_watermark=float(spec["scheduler"]["kvCacheRejectWatermark"]),
+        cooldown_s=t.cooldown_s,
+        window_s=t.window_s,
+        max_step_fraction=float(t.max_step_percent) / 100.0,
+        reject_watermark=settings.reject_watermark,
         global_bounds=global_bounds,
     )
+
+
+def settings_from_spec(spec: Mapping[str, Any]) -> TunerSettings:
+    """The tuner's settings from a camelCase ModelService spec."""
+    return tuner_settings(ModelServiceSettings.from_spec(spec))
 
 
 def lane_targets(msvc: ModelService, desired: builders.Desired,
@@ -178,24 +187,24 @@ def lane_targets(msvc: ModelService, desired: builders.Desired,
     `spec.tuning.bounds` as defaults, the ServingLane's `spec.tuning.bounds` over them; a lane
     with `tuning.enabled: false` gets none. A bound with one side only keeps the other side at
     the current value (the tuner may move that knob in one direction)."""
-    defaults = (msvc.spec.get("tuning") or {}).get("bounds") or {}
+    defaults = msvc.settings.tuning.bounds
     sched = msvc.spec["scheduler"]
     out = []
     for lane in desired.admitted:
-        lane_tuning = lane.spec.get("tuning") or {}
-        declared = {} if lane_tuning.get("enabled") is False else {**defaults, **(lane_tuning.get("bounds") or {})}
+        lane_settings = lane.settings
+        declared = {**defaults, **lane_settings.bounds} if lane_settings.tuning_enabled else {}
         bounds = {}
         for knob in LANE_KNOBS:
             b = declared.get(knob)
             current = budgets.get(lane.lane_name, knob)
-            if not b or current is None:
+            if b is None or not b.declared or current is None:
                 continue
-            bounds[knob] = Bounds(b.get("min", current), b.get("max", current))
+            bounds[knob] = Bounds(current if b.min is None else b.min, current if b.max is None else b.max)
             if knob_of(knob).cap == CAP_MIN:
                 bounds[knob] = bounds[knob].capped_at(sched[knob])
-        slo = lane.spec.get("slo") or {}
-        out.append(LaneTarget(lane.lane_name, lane.spec["class"], lane.spec["priority"],
-                              slo.get("ttftP95Ms"), slo.get("tpotP95Ms"), bounds, slo.get("maxRefusedShare")))
+        slo = lane_settings.slo
+        out.append(LaneTarget(lane.lane_name, lane_settings.lane_class, lane_settings.priority,
+                              slo.ttft_p95_ms, slo.tpot_p95_ms, bounds, slo.max_refused_share))
     return out
 
 
@@ -277,8 +286,8 @@ class _Run:
         return self.msvc.status or {}
 
     @property
-    def spec_tuning(self) -> dict:
-        return self.msvc.spec.get("tuning") or {}
+    def spec_tuning(self) -> TuningSpec:
+        return self.msvc.settings.tuning
 
 
 @dataclass
@@ -325,7 +334,7 @@ async def _due(t: Tuning, namespace: str, name: str) -> Optional[tuple[dict, Mod
     except ValueError:
         return None  # the operator reports the invalid spec
     now = t.clock()
-    if not t.interval_passed(namespace, name, tuning_interval_s(msvc.spec), now):
+    if not t.interval_passed(namespace, name, msvc.settings.tuning.interval_s, now):
         return None
     return body, msvc, now
 
@@ -367,9 +376,9 @@ async def _prepare(t: Tuning, namespace: str, name: str) -> Optional[_Run]:
     revision, spec_desired, desired, overrides, dropped = rendered
     budgets = budgets_of(desired)
     targets = lane_targets(msvc, desired, budgets)
-    settings = settings_from_spec(msvc.spec)
-    url = (msvc.spec.get("tuning") or {}).get("prometheusUrl")
-    policy = rollout.RolloutPolicy.from_spec(msvc.spec.get("rollout"), metrics=bool(url))
+    settings = tuner_settings(msvc.settings)
+    url = msvc.settings.tuning.prometheus_url
+    policy = rollout.RolloutPolicy.from_spec(msvc.settings.rollout, metrics=bool(url))
     if url:
         window = min(settings.window_s, policy.verification_window_s)
         sample = await t.read_sample(url, desired.shared.config.model.name, window, [lane.name for lane in targets],
@@ -409,10 +418,10 @@ async def _guard(op: Any, run: _Run, out: _Outcome) -> rollout.RolloutDecision:
         out.conditions.append(status_mod.condition("RolledBack", False, guard.reason, guard.message))
     elif guard.action == rollout.ROLLBACK:
         # The failing revision's pods dump their flight recorders before the LKG replaces them.
-        dumped = await dumps.dump_runtimes(run.spec_tuning.get("prometheusUrl"), run.msvc.namespace,
-                                           run.desired.shared.config.model.name, f"rollback of revision {run.revision}",
-                                           tenant_key_digests=[t.get("apiKeySha256") for t in
-                                                               run.msvc.spec.get("tenants") or []])
+        dumped = await dumps.dump_runtimes(run.spec_tuning.prometheus_url, run.msvc.namespace,
+                                           run.desired.shared.config.model.name,
+                                           f"rollback of revision {run.revision}",
+                                           tenant_key_digests=list(run.msvc.settings.tenant_key_digests))
         out.events.append(("Warning", "RolledBack", f"{guard.message.rstrip('.')}. {dumped}" if dumped else guard.message))
         out.conditions.append(status_mod.condition("RolledBack", True, guard.reason, guard.message))
         out.reconcile = True
@@ -439,14 +448,14 @@ def _tune(run: _Run, guard: rollout.RolloutDecision, out: _Outcome) -> None:
     """Run the tuner (or say why it does not run) into status.tuning, conditions and Events."""
     tuning_status = dict(run.status.get("tuning") or {})
     tuning_status.pop("lastRunAt", None)  # written by older operators: now a metric
-    enabled = bool(run.spec_tuning.get("enabled"))
+    enabled = run.spec_tuning.enabled
     if enabled and guard.state.phase != rollout.FALLBACK:
         _decide(run, guard, tuning_status, out)
     else:
         why = "tuning disabled (spec.tuning.enabled: false)" if not enabled \
             else "fallback profile in force: budgets are the declared conservative ones"
         out.conditions.append(status_mod.condition("Tuning", False, "Fallback" if enabled else "Disabled", why))
-        if run.spec_tuning.get("prometheusUrl"):
+        if run.spec_tuning.prometheus_url:
             out.lane_slo = _lane_slo(run)
             out.conditions += _slo_conditions(out.lane_slo)
     out.patch["tuning"] = tuning_status
@@ -462,8 +471,8 @@ def _decide(run: _Run, guard: rollout.RolloutDecision, tuning_status: dict, out:
     state_before = rollout.RolloutState.from_dict(run.status.get("rollout"))
     since = _config_in_force_since(tuning_status, config_key(run.revision, state_before, run.overrides), run.now)
     own_change = next((r.at for r in reversed(history) if r.changes), None)
-    bad_window = no_decision_reason(guard.action, guard.state.phase, since, run.now, run.sample.window_s,
-                                    guard.state.revision, own_change_at=own_change)
+    bad_window = no_decision_hold(guard.action, guard.state.phase, since, run.now, run.sample.window_s,
+                                  guard.state.revision, own_change_at=own_change)
     pending = tuner.pending_experiment(history)
     if run.dropped:
         # The user's edit is in force now: a change in flight can no longer be judged (nor
@@ -473,16 +482,17 @@ def _decide(run: _Run, guard: rollout.RolloutDecision, tuning_status: dict, out:
         decision = Decision(run.now, HOLD, run.budgets,
                             f"user edited {edited}: the spec value is in force, the tuner re-learns from it",
                             slo=_lane_slo(run), judged=pending.at if pending else None,
-                            verdict="inconclusive" if pending else "")
+                            verdict=Verdict.INCONCLUSIVE if pending else None)
     elif verifying:
         decision = Decision(run.now, HOLD, run.budgets, f"holding budgets: verifying revision {run.revision}",
                             slo=_lane_slo(run), **_straddled(pending, since))
     elif bad_window:
-        decision = Decision(run.now, HOLD, run.budgets, bad_window, slo=_lane_slo(run), **_straddled(pending, since))
+        decision = Decision(run.now, HOLD, run.budgets, bad_window[1], slo=_lane_slo(run),
+                            **_straddled(pending, since))
     else:
         decision = tuner.decide(run.targets, run.settings, run.budgets, run.sample, history, run.now)
-    held = _hold_category(decision, run.sample, verifying, bad_window)
-    out.outcome = decision.action
+    held = _hold_category(decision, run.sample, verifying, bad_window[0] if bad_window else None)
+    out.outcome = str(decision.action)
     if decision.changed:
         out.patch["overrides"] = tuned_overrides(out.patch.get("overrides", run.overrides),
                                                  budgets_of(run.spec_desired), decision.budgets)
@@ -492,12 +502,13 @@ def _decide(run: _Run, guard: rollout.RolloutDecision, tuning_status: dict, out:
         out.events.append((kind, reason, f"{', '.join(map(str, decision.changes))}: {decision.reason}"))
     elif held and tuning_status.get("held") != held:  # an Event when a hold starts, not every interval
         # Only an outage the tuner cannot wait out is a Warning; verifying a revision is routine.
-        out.events.append(("Warning" if held == "PrometheusUnavailable" else "Normal", "TuningHeld", decision.reason))
+        out.events.append(("Warning" if held == HoldReason.PROMETHEUS_UNAVAILABLE else "Normal", "TuningHeld",
+                           decision.reason))
     # This run may change what is in force (a rollback, the tuner's change): the next window starts now.
     _config_in_force_since(tuning_status, config_key(run.revision, guard.state,
                                                       out.patch.get("overrides", run.overrides)), run.now)
     if held:
-        tuning_status["held"] = held
+        tuning_status["held"] = str(held)
     else:
         tuning_status.pop("held", None)
     record = decision.record()
@@ -511,12 +522,12 @@ def _decide(run: _Run, guard: rollout.RolloutDecision, tuning_status: dict, out:
         out.quiet_conditions.add("Tuning")
     else:
         history.append(record)
-        tuning_status["lastDecision"] = {"at": k8s.timestamp(run.now), "action": decision.action,
+        tuning_status["lastDecision"] = {"at": k8s.timestamp(run.now), "action": str(decision.action),
                                          "reason": decision.reason}
     tuning_status["history"] = [r.to_dict() for r in history[-HISTORY:]]
     tuning_status["effectiveBudgets"] = decision.budgets.to_dict()
     tuning_status["revision"] = run.revision
-    out.conditions.append(status_mod.condition("Tuning", not held, held or "Tuning",
+    out.conditions.append(status_mod.condition("Tuning", not held, str(held) if held else "Tuning",
                                                decision.reason if held else f"{decision.action}: {decision.reason}"))
     out.conditions += _slo_conditions(decision.slo)
     out.lane_slo = decision.slo
@@ -594,8 +605,8 @@ def _config_in_force_since(tuning_status: dict, config: str, now: float) -> Opti
     return recorded.get("since")
 
 
-def no_decision_reason(guard_action: str, phase: str, since: Optional[float], now: float, window_s: float,
-                       revision: str, *, own_change_at: Optional[float] = None) -> Optional[str]:
+def no_decision_hold(guard_action: str, phase: str, since: Optional[float], now: float, window_s: float,
+                     revision: str, *, own_change_at: Optional[float] = None) -> Optional[tuple[HoldReason, str]]:
     """Why this run's metrics window may not be used for a tuning decision, or None.
 
     The guard rolls a revision back in this run (the window is the bad revision's), a revision
@@ -604,20 +615,27 @@ def no_decision_reason(guard_action: str, phase: str, since: Optional[float], no
     (`own_change_at`) is not such a change: the tuner waits a full window after it and judges
     it. Pure: the guard-baseline property tests drive it too."""
     if guard_action == rollout.ROLLBACK:
-        return f"{ROLLING_BACK} revision {revision}: its window is not used for decisions"
+        return HoldReason.ROLLING_BACK, f"{ROLLING_BACK} revision {revision}: its window is not used for decisions"
     if phase == rollout.VERIFYING:
-        return f"holding budgets: verifying revision {revision}"
+        return HoldReason.VERIFYING_REVISION, f"holding budgets: verifying revision {revision}"
     if since is not None and since != own_change_at and now - since < window_s:
-        return (f"holding budgets: the config in force changed {now - since:.0f}s ago; no decision on a window "
-                f"({window_s:.0f}s) that spans the change")
+        return HoldReason.SETTLING_WINDOW, (f"holding budgets: the config in force changed {now - since:.0f}s ago; "
+                                            f"no decision on a window ({window_s:.0f}s) that spans the change")
     return None
+
+
+def no_decision_reason(guard_action: str, phase: str, since: Optional[float], now: float, window_s: float,
+                       revision: str, *, own_change_at: Optional[float] = None) -> Optional[str]:
+    """The text of `no_decision_hold`, or None."""
+    hold = no_decision_hold(guard_action, phase, since, now, window_s, revision, own_change_at=own_change_at)
+    return None if hold is None else hold[1]
 
 
 def _straddled(pending: Optional[DecisionRecord], since: Optional[float]) -> dict:
     """Mark the experiment in flight inconclusive when something else changed the config after
     it: its window no longer measures it alone (no credit for a rollback's improvement)."""
     if pending is not None and since is not None and since > pending.at:
-        return {"judged": pending.at, "verdict": "inconclusive"}
+        return {"judged": pending.at, "verdict": Verdict.INCONCLUSIVE}
     return {}
 
 
@@ -627,19 +645,18 @@ def _words(reason: str) -> str:
 
 
 def _hold_category(decision: Decision, sample: MetricSample, verifying: bool,
-                   bad_window: Optional[str] = None) -> Optional[str]:
+                   bad_window: Optional[HoldReason] = None) -> Optional[HoldReason]:
     """Why the tuner could not act on data (for the Tuning condition), or None."""
     if decision.changed:
         return None
     if verifying:  # the reason says "verifying revision" whether or not Prometheus is up
-        return "VerifyingRevision"
-    if bad_window:
-        return "RollingBack" if bad_window.startswith(ROLLING_BACK) else "SettlingWindow"
+        return HoldReason.VERIFYING_REVISION
+    if bad_window is not None:
+        # A rollback's hold, or one on a window that spans a change (verifying is handled above).
+        return HoldReason.ROLLING_BACK if bad_window == HoldReason.ROLLING_BACK else HoldReason.SETTLING_WINDOW
     if not sample.available:
-        return "PrometheusUnavailable"
-    if "too few requests" in decision.reason:
-        return "InsufficientData"
-    return None
+        return HoldReason.PROMETHEUS_UNAVAILABLE
+    return decision.held
 
 
 def _slo_conditions(slo: Mapping[str, LaneSLO]) -> list[dict]:

@@ -429,15 +429,15 @@ def shared_replicas(msvc: ModelService) -> int:
     """Pods of the shared pool: spec.replicas, or, while spec.autoscaling is enabled, the
     autoscaler's last decision (status.autoscaling.desiredReplicas) within its bounds. Before
     the first decision it is spec.replicas within the bounds."""
-    autoscaling = msvc.spec.get("autoscaling") or {}
-    if not autoscaling.get("enabled"):
+    autoscaling = msvc.settings.autoscaling
+    if not autoscaling.enabled:
         return msvc.spec["replicas"]
     # The CRD's rules, for servers and files that do not check them (kmock, `tokenlane render`).
-    if autoscaling.get("maxReplicas") is None:
+    if autoscaling.max_replicas is None:
         raise ValueError("spec.autoscaling: autoscaling.enabled needs autoscaling.maxReplicas")
-    if not autoscaling.get("prometheusUrl"):
+    if not autoscaling.prometheus_url:
         raise ValueError("spec.autoscaling: autoscaling.enabled needs autoscaling.prometheusUrl")
-    low, high = autoscaling.get("minReplicas", 1), autoscaling["maxReplicas"]
+    low, high = autoscaling.min_replicas, autoscaling.max_replicas
     if low > high:
         raise ValueError(f"spec.autoscaling: minReplicas ({low}) must be <= maxReplicas ({high})")
     decided = ((msvc.status or {}).get("autoscaling") or {}).get("desiredReplicas")

@@ -68,9 +68,27 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-UP = "up"
-DOWN = "down"
-HOLD = "hold"
+from tokenlane.operator.api.enums import StrEnum
+
+
+class ScalingAction(StrEnum):
+    """Which way one decision moves the replicas."""
+
+    UP = "up"
+    DOWN = "down"
+    HOLD = "hold"
+
+
+UP, DOWN, HOLD = ScalingAction.UP, ScalingAction.DOWN, ScalingAction.HOLD
+
+
+class ScalingReason(StrEnum):
+    """status.autoscaling.reason: what the last decision did, or why it held."""
+
+    SCALED_UP = "ScaledUp"
+    SCALED_DOWN = "ScaledDown"
+    HOLDING = "Holding"
+    METRICS_UNAVAILABLE = "MetricsUnavailable"  # no sample, or Prometheus could not be read
 
 MAX_HISTORY = 256  # recommendations kept in status at most
 # The load now (a lane's waiting requests and running share) is averaged over this share of the
@@ -203,7 +221,7 @@ class Recommendation:
 @dataclass(frozen=True)
 class ScalingDecision:
     desired: int
-    action: str  # up | down | hold
+    action: ScalingAction
     reason: str
     recommendation: int
     history: tuple[Recommendation, ...]
@@ -250,7 +268,7 @@ def decide(policy: AutoscalingPolicy, current: int, sample: Optional[FleetSample
     return ScalingDecision(desired, _direction(current, desired), reason, recommendation, history)
 
 
-def _direction(current: int, desired: int) -> str:
+def _direction(current: int, desired: int) -> ScalingAction:
     return UP if desired > current else DOWN if desired < current else HOLD
 
 

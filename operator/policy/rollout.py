@@ -33,13 +33,37 @@ from typing import Any, Mapping, Optional, Sequence
 
 from tokenlane.operator.desired import builders
 from tokenlane.operator.api.resources import ModelService, ServingLane
+from tokenlane.operator.api.enums import StrEnum
+from tokenlane.operator.api.spec import FallbackPolicy, RolloutSpec
 from tokenlane.operator.api.tuning_types import LaneTarget, MetricSample, too_few_requests
 from tokenlane.runtime.config import FALLBACK_SCALED_KEYS
 
-VERIFYING, STABLE, ROLLED_BACK, FALLBACK, FAILED = "Verifying", "Stable", "RolledBack", "Fallback", "Failed"
-NONE, WAIT, START, PROMOTE, ROLLBACK, HOLD_ROLLED_BACK, FALLBACK_ACTION, FAIL = (
-    "none", "wait", "start", "promote", "rollback", "hold_rolled_back", "fallback", "fail"
-)
+
+class Phase(StrEnum):
+    """Where the guard stands with the spec's revision (status.rollout.phase)."""
+
+    VERIFYING = "Verifying"
+    STABLE = "Stable"
+    ROLLED_BACK = "RolledBack"
+    FALLBACK = "Fallback"
+    FAILED = "Failed"
+
+
+class GuardAction(StrEnum):
+    """The guard's verdict on one step: what the caller does (module docstring)."""
+
+    NONE = "none"
+    WAIT = "wait"
+    START = "start"
+    PROMOTE = "promote"
+    ROLLBACK = "rollback"
+    HOLD_ROLLED_BACK = "hold_rolled_back"
+    FALLBACK = "fallback"
+    FAIL = "fail"
+
+
+VERIFYING, STABLE, ROLLED_BACK, FALLBACK, FAILED = Phase
+NONE, WAIT, START, PROMOTE, ROLLBACK, HOLD_ROLLED_BACK, FALLBACK_ACTION, FAIL = GuardAction
 
 
 # --------------------------------------------------------------------------- inputs
@@ -100,66 +124,30 @@ class RolloutPolicy:
     metrics: bool = True  # False: no Prometheus configured, verify pod readiness only
 
     @classmethod
-    def from_spec(cls, spec: Optional[Mapping[str, Any]], *, metrics: bool = True) -> "RolloutPolicy":
-        """From the CRD's `spec.rollout` (camelCase; durations like "5m"). `metrics`: whether a
-        Prometheus is configured (without one, verification is pod readiness only)."""
-        spec = spec or {}
-        reg = spec.get("regression") or {}
-        fb = spec.get("fallback") or {}
-        policy = fb.get("policy", "LastKnownGood")
-        scale = float(fb.get("budgetPercent", 50)) / 100.0
+    def from_spec(cls, spec: "RolloutSpec | Mapping[str, Any] | None", *, metrics: bool = True) -> "RolloutPolicy":
+        """From the typed `spec.rollout` (`ModelService.settings.rollout`), or its camelCase
+        mapping. `metrics`: whether a Prometheus is configured (without one, verification is
+        pod readiness only)."""
+        if not isinstance(spec, RolloutSpec):
+            spec = RolloutSpec.from_spec(spec)
+        fb = spec.fallback
+        scale = float(fb.budget_percent) / 100.0
         fallback = None
-        if policy == "Conservative":
+        if fb.policy == FallbackPolicy.CONSERVATIVE:
             fallback = FallbackProfile(budget_scale=scale)
-        elif policy == "StaticBatching":
+        elif fb.policy == FallbackPolicy.STATIC_BATCHING:
             fallback = FallbackProfile(continuous_batching=False, budget_scale=scale)
-        elif policy != "LastKnownGood":
-            raise ValueError(f"spec.rollout.fallback.policy: unknown policy {policy!r}")
-        d = cls()
         return cls(
-            enabled=bool(spec.get("enabled", True)),
-            verification_window_s=parse_duration(spec.get("verificationWindow"), d.verification_window_s),
-            progress_deadline_s=parse_duration(spec.get("progressDeadline"), d.progress_deadline_s),
-            max_ttft_regression=_percent(reg.get("ttftP95Percent"), d.max_ttft_regression),
-            max_tpot_regression=_percent(reg.get("tpotP95Percent"), d.max_tpot_regression),
-            max_failed_share_increase=_percent(reg.get("errorRatePercent"), d.max_failed_share_increase),
-            min_requests=int(spec.get("minRequests", d.min_requests)),
+            verification_window_s=spec.verification_window_s,
+            progress_deadline_s=spec.progress_deadline_s,
+            max_ttft_regression=float(spec.regression.ttft_p95_percent) / 100.0,
+            max_tpot_regression=float(spec.regression.tpot_p95_percent) / 100.0,
+            max_failed_share_increase=float(spec.regression.error_rate_percent) / 100.0,
             fallback=fallback,
-            fallback_miss_factor=float(fb.get("missFactor", d.fallback_miss_factor)),
-            fallback_after_s=parse_duration(fb.get("after"), d.fallback_after_s),
+            fallback_miss_factor=float(fb.miss_factor),
+            fallback_after_s=fb.after_s,
             metrics=metrics,
         )
-
-
-def _percent(value: Any, default: float) -> float:
-    return default if value is None else float(value) / 100.0
-
-
-def parse_duration(value: Any, default: float) -> float:
-    """Seconds from a number or a Go-style duration string ("90s", "5m", "1h30m")."""
-    if value is None:
-        return default
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    text = str(value).strip()
-    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-    total, number = 0.0, ""
-    i = 0
-    while i < len(text):
-        ch = text[i]
-        if ch.isdigit() or ch == ".":
-            number += ch
-            i += 1
-            continue
-        unit = "ms" if text[i:i + 2] == "ms" else ch
-        if unit not in units or not number:
-            raise ValueError(f"invalid duration {value!r} (use e.g. 30s, 5m, 1h)")
-        total += float(number) * units[unit]
-        number = ""
-        i += len(unit)
-    if number:  # a bare number: seconds
-        total += float(number)
-    return total
 
 
 @dataclass(frozen=True)
@@ -194,7 +182,7 @@ class LaneBaseline:
 class RolloutState:
     """status.rollout: where the guard stands (all times in the caller's clock, seconds)."""
 
-    phase: str  # Verifying | Stable | RolledBack | Fallback | Failed
+    phase: Phase
     revision: str  # the spec's revision the guard last saw
     started_at: float  # when that revision appeared
     ready_at: Optional[float] = None  # when its pods were all ready (verification starts)
@@ -205,7 +193,8 @@ class RolloutState:
     message: str = ""
 
     def to_dict(self) -> dict:
-        out: dict = {"phase": self.phase, "revision": self.revision, "startedAt": self.started_at}
+        # Plain strings in status: the enum's value, byte for byte.
+        out: dict = {"phase": str(self.phase), "revision": self.revision, "startedAt": self.started_at}
         for key, value in (("readyAt", self.ready_at), ("lastKnownGood", self.lkg),
                            ("rolledBackRevision", self.rolled_back), ("badSince", self.bad_since)):
             if value is not None:
@@ -221,7 +210,7 @@ class RolloutState:
         if not d or "revision" not in d:
             return None
         return cls(
-            phase=d.get("phase", VERIFYING),
+            phase=Phase(d.get("phase", VERIFYING)),
             revision=d["revision"],
             started_at=float(d.get("startedAt", 0.0)),
             ready_at=d.get("readyAt"),
@@ -252,7 +241,7 @@ class Regression:
 
 @dataclass(frozen=True)
 class RolloutDecision:
-    action: str
+    action: GuardAction
     state: RolloutState
     reason: str  # CamelCase reason for conditions/Events
     message: str  # human sentence with the numbers
@@ -465,14 +454,15 @@ def _check_fallback(policy: RolloutPolicy, state: RolloutState, now: float, numb
     # The baseline is never touched here: it is the last-known-good's verified window, frozen
     # at promotion. A later window may hold a probe, a revert or a rollback.
     if state.phase == FALLBACK or policy.fallback is None or state.lkg is None:
-        return RolloutDecision(NONE, state, state.phase, state.message)
+        return RolloutDecision(NONE, state, str(state.phase), state.message)
     bad = _badly_missing(policy, lanes, numbers)
     if not bad:
-        return RolloutDecision(NONE, replace(state, bad_since=None), state.phase, state.message)
+        return RolloutDecision(NONE, replace(state, bad_since=None), str(state.phase), state.message)
     since = state.bad_since if state.bad_since is not None else now
     if now - since < policy.fallback_after_s:
         new = replace(state, bad_since=since)
-        return RolloutDecision(NONE, new, state.phase, f"SLOs badly missed for {now - since:.0f}s: " + "; ".join(bad))
+        return RolloutDecision(NONE, new, str(state.phase),
+                               f"SLOs badly missed for {now - since:.0f}s: " + "; ".join(bad))
     message = (f"the last-known-good revision {state.lkg} misses its SLOs badly for {now - since:.0f}s ("
                + "; ".join(bad) + f"): applying the fallback profile {policy.fallback.describe()}")
     new = replace(state, phase=FALLBACK, bad_since=since, message=message)

@@ -54,13 +54,16 @@ from tokenlane.operator.api.tuning_types import (
     Decision,
     DecisionRecord,
     EffectiveBudgets,
+    HoldReason,
     KnobChange,
     LaneMetrics,
     LaneSLO,
     LaneTarget,
     MetricSample,
     Objective,
+    TunerAction,
     TunerSettings,
+    Verdict,
     too_few_requests,
 )
 from tokenlane.runtime.config import knob as _knob
@@ -83,7 +86,8 @@ def decide(
         return Decision(now, HOLD, budgets, reason, slo=slo, **extra)
 
     if not sample.available:
-        return hold(f"holding budgets: Prometheus unavailable ({sample.error})")
+        return hold(f"holding budgets: Prometheus unavailable ({sample.error})",
+                    held=HoldReason.PROMETHEUS_UNAVAILABLE)
 
     current = objective(lanes, sample, settings)
     window = sample.window_s
@@ -93,7 +97,8 @@ def decide(
     if slo_lanes and len(thin) == len(slo_lanes):
         return hold(
             f"holding budgets: too few requests to judge ({', '.join(thin)}: under "
-            f"{settings.min_requests} requests in {window:.0f}s)"
+            f"{settings.min_requests} requests in {window:.0f}s)",
+            held=HoldReason.INSUFFICIENT_DATA,
         )
 
     # ---- judge the change in flight, if any
@@ -107,7 +112,7 @@ def decide(
                 f"after the change ({elapsed:.0f}/{window:.0f}s)"
             )
         verdict, why = _judge(pending, current, settings)
-        if verdict == "reverted":
+        if verdict == Verdict.REVERTED:
             reverted = budgets
             inverse = []
             for change in pending.changes:
@@ -137,31 +142,31 @@ def decide(
     return Decision(now, action, new_budgets, judged_note + reason, tuple(plan.changes), slo, current, **judged)
 
 
-def _judge(pending: DecisionRecord, after: Optional[Objective], settings: TunerSettings) -> tuple[str, str]:
-    """Did the change make things worse? -> (kept | reverted | inconclusive, why)."""
+def _judge(pending: DecisionRecord, after: Optional[Objective], settings: TunerSettings) -> tuple[Verdict, str]:
+    """Did the change make things worse? -> (verdict, why)."""
     before = pending.objective
     if after is None or before is None:
-        return "inconclusive", "no comparable data after the change"
+        return Verdict.INCONCLUSIVE, "no comparable data after the change"
     lo, hi = before.request_rate / settings.load_change_limit, before.request_rate * settings.load_change_limit
     if before.request_rate > 0 and not lo <= after.request_rate <= hi:
-        return "inconclusive", (
+        return Verdict.INCONCLUSIVE, (
             f"offered load changed from {before.request_rate:.2f} to {after.request_rate:.2f} req/s"
         )
     worse_by = after.violation - before.violation
     if worse_by > settings.revert_abs_tolerance and worse_by > settings.revert_tolerance * before.level:
-        return "reverted", f"SLO violation rose from {before.violation:.3f} to {after.violation:.3f}"
+        return Verdict.REVERTED, f"SLO violation rose from {before.violation:.3f} to {after.violation:.3f}"
     if pending.action == PROBE:
         floor = before.throughput_tokens_s * (1.0 - settings.throughput_tolerance)
         if after.throughput_tokens_s < floor and after.violation >= before.violation - settings.revert_abs_tolerance:
-            return "reverted", (
+            return Verdict.REVERTED, (
                 f"throughput fell from {before.throughput_tokens_s:.1f} to {after.throughput_tokens_s:.1f} tokens/s"
             )
-    return "kept", f"violation {before.violation:.3f}->{after.violation:.3f}, throughput " \
+    return Verdict.KEPT, f"violation {before.violation:.3f}->{after.violation:.3f}, throughput " \
                    f"{before.throughput_tokens_s:.1f}->{after.throughput_tokens_s:.1f} tokens/s"
 
 
 def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: MetricSample,
-            slo: Mapping[str, LaneSLO], plan: _Planner) -> tuple[str, str]:
+            slo: Mapping[str, LaneSLO], plan: _Planner) -> tuple[TunerAction, str]:
     """Choose this interval's moves into `plan`; returns (action, reason)."""
     window = sample.window_s
     metrics = {lane.name: sample.lanes.get(lane.name) for lane in lanes}
@@ -280,7 +285,7 @@ def _policy(lanes: Sequence[LaneTarget], settings: TunerSettings, sample: Metric
 
 
 def _fix_refusals(lane: LaneTarget, m: LaneMetrics, donors: Sequence[LaneTarget],
-                  metrics: Mapping[str, Optional[LaneMetrics]], plan: "_Planner") -> Optional[tuple[str, str]]:
+                  metrics: Mapping[str, Optional[LaneMetrics]], plan: "_Planner") -> Optional[tuple[TunerAction, str]]:
     """Moves for a lane refusing more than its slo.maxRefusedShare, or None if none can move.
 
     Shared-queue starvation first: the lane gets 429 queue_full while its own queue is far from
@@ -312,7 +317,7 @@ def _fix_refusals(lane: LaneTarget, m: LaneMetrics, donors: Sequence[LaneTarget]
 
 
 def _protect_kv_share(lane: LaneTarget, m: LaneMetrics, donors: Sequence[LaneTarget], sample: MetricSample,
-                     plan: "_Planner") -> Optional[tuple[str, str]]:
+                     plan: "_Planner") -> Optional[tuple[TunerAction, str]]:
     """Moves for a TTFT miss while the KV pool is above the high watermark, or None.
 
     Above it no prefill starts, except in a lane inside its kvCacheReserved, so the lane waits
