@@ -249,7 +249,8 @@ def test_zero_writes_to_owned_objects_while_the_deployment_status_changes(sample
     msvc = wait_for(lambda: (m := samples.get("msvc", "tiny", WORKLOAD_NS)) and
                     condition(m, "Ready")["status"] == "True" and m, timeout=90, what="tiny Ready=True")
     assert msvc["status"]["readyReplicas"] == 1
-    assert operator.process.reconciles() > reconciles
+    # The reconcile writes the status before its count goes up: wait for the count, not race it.
+    wait_for(lambda: operator.process.reconciles() > reconciles, what="the reconcile count after Ready")
     assert operator_writes(samples, since, objects) == []
     assert applied_at(owned(samples, WORKLOAD_NS, "tiny")) == before
 

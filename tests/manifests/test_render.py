@@ -195,8 +195,6 @@ def test_overlays_differ_only_in_scope():
 
 def test_operator_cli_accepts_the_deployments_flags():
     """`tokenlane operator` parses the Deployment's arguments into the intended settings."""
-    if not (ROOT / "operator" / "main.py").exists():
-        pytest.skip("operator/main.py not written yet")
     from tokenlane.operator.main import parse_args
 
     for rel in OVERLAYS:
@@ -233,8 +231,6 @@ def _operator_rendered(sample: str) -> list[dict]:
 
     import yaml
 
-    if not (ROOT / "operator" / "render.py").exists():
-        pytest.skip("operator/tools/render.py not written yet")
     result = subprocess.run([sys.executable, "-m", "tokenlane.cli", "render", "-f", str(MANIFESTS / "samples" / sample)],
                             capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 0, result.stderr
