@@ -438,7 +438,7 @@ def serve_instrumented(stats_path: str, serve_argv: list[str]) -> int:
 
     async_module.AsyncEngine.from_config = classmethod(from_config)
     # engine.coreProcess: the recorder goes into the core, which writes the records itself.
-    from tokenlane.runtime.engine.client import CoreProcessClient
+    from tokenlane.runtime.engine.core_client import CoreProcessClient
 
     original_core = CoreProcessClient.from_config.__func__
 

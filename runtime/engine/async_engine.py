@@ -23,7 +23,8 @@ from typing import Callable, Optional
 
 from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.config import RuntimeConfig
-from tokenlane.runtime.engine.llm_engine import LLMEngine, RequestOutput
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.engine.output import RequestOutput
 from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ are the API process's. On one GIL, the step thread's Python (scheduling, prepari
 sampling) waits behind the event loop's burst of stream writes after every step; in a
 process of its own it does not. vLLM v1 splits the same way.
 
-The API process's side is runtime/engine/client.py's CoreProcessClient, which spawns
+The API process's side is runtime/engine/core_client.py's CoreProcessClient, which spawns
 `run_engine_core`; the two speak runtime/engine/messages.py's typed messages over two
 one-way pipes (the message flow is drawn in client.py). The core is also its engine's only
 observer: it relays the events (step stats, finished requests, applied or refused configs)
@@ -35,10 +35,11 @@ from typing import Callable, Optional, Union
 
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.core.admission import AdmissionError
-from tokenlane.runtime.core.request import Request, RequestStatus
+from tokenlane.runtime.core.request import Request
 from tokenlane.runtime.core.stats import StepStats
 from tokenlane.runtime.engine import messages as wire
-from tokenlane.runtime.engine.llm_engine import LLMEngine, RequestOutput
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.engine.output import RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 
 from manifests_helpers import (  # noqa: E402
-    ROOT,
     SAMPLE,
     free_port,
     load_yaml_docs,

@@ -10,7 +10,6 @@ from manifests_helpers import (
     KUSTOMIZATIONS,
     MANIFESTS,
     OVERLAYS,
-    ROOT,
     WORKLOAD_NAMESPACE,
     load_yaml_docs,
     render,

@@ -17,9 +17,11 @@ from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus, SamplingParams, SequenceGroup
 from tokenlane.runtime.engine import messages as wire
 from tokenlane.runtime.engine.async_engine import AsyncEngine
-from tokenlane.runtime.engine.client import CoreProcessClient, CoreView, EngineClient, InProcessClient
+from tokenlane.runtime.engine.client import EngineClient, InProcessClient
+from tokenlane.runtime.engine.core_client import CoreProcessClient, CoreView
 from tokenlane.runtime.engine.core_process import EngineCore, dumps_for_core
-from tokenlane.runtime.engine.llm_engine import LLMEngine, RequestOutput
+from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.engine.output import RequestOutput
 from tokenlane.runtime.executor.fake import FakeExecutor, StepGate, make_config
 
 

@@ -24,7 +24,8 @@ from serve_process import start_serve
 
 from tokenlane.runtime.config import load_config
 from tokenlane.runtime.engine.llm_engine import LLMEngine
-from tokenlane.runtime.engine.client import CoreProcessClient, EngineClient
+from tokenlane.runtime.engine.client import EngineClient
+from tokenlane.runtime.engine.core_client import CoreProcessClient
 from tokenlane.runtime.core.request import Request, SamplingParams
 from tokenlane.runtime.engine.tokenizer import apply_chat_template, encode_prompt
 
