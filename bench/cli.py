@@ -3,6 +3,7 @@
     tokenlane bench run --url http://127.0.0.1:8000 --traffic traffic.yaml
     tokenlane bench simulate --scenario continuous-vs-static
     tokenlane bench simulate --config runtime.yaml --traffic traffic.yaml --phase static:engine.continuousBatching=false
+    tokenlane bench simulate --scenario lanes-kv-flood --set engine.kvCacheDtype=fp8_e4m3
     tokenlane bench compare --config runtime.yaml --traffic traffic.yaml \\
         --phase continuous --phase static:engine.continuousBatching=false
     tokenlane bench report --steps steps.jsonl
@@ -21,6 +22,7 @@ import copy
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -183,11 +185,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         specs = [_phase_spec(p) for p in args.phase] or [("sim", [])]
         phases = [scenarios.Phase(name, RuntimeConfig.from_dict(_patched(base, ov)), traffic) for name, ov in specs]
         title, stem, pairs = f"simulated: {args.config}", args.stem or "sim", []
+    if args.set:
+        phases = [dataclasses.replace(ph, config=_with_overrides(ph.config, args.set)) for ph in phases]
     results = []
-    for ph in phases:
-        results.append(simulate(ph.config, ph.traffic, ph.name, progress=not args.no_progress, slos=ph.slos))
+    with tempfile.TemporaryDirectory(prefix="tokenlane-bench-lora-") as lora_root:
+        if args.lora_adapters:
+            phases = _with_lora(phases, args.lora_adapters, args.lora_rank, Path(lora_root), args.seed or 0)
+        for ph in phases:
+            results.append(simulate(ph.config, ph.traffic, ph.name, progress=not args.no_progress, slos=ph.slos))
     wall = time.perf_counter() - t0
-    meta = {"command": "simulate", "scenario": args.scenario, "wall_seconds": wall,
+    meta = {"command": "simulate", "scenario": args.scenario, "wall_seconds": wall, "set": args.set,
             "phase_traffic": {ph.name: ph.traffic.describe() for ph in phases}}
     out = Path(args.out)
     _finish(out, stem, results, meta, title, include_records=args.records, ratios=not pairs)
@@ -196,6 +203,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(format_pairs(summaries, pairs))
     print(f"simulated {sum(len(ph.traffic.requests) for ph in phases)} requests in {wall:.1f} s wall")
     return 0
+
+
+def _with_lora(phases: list, count: int, rank: int, root: Path, seed: int) -> list:
+    """Every phase serving `count` LoRA adapters of rank `rank`, its requests spread over them."""
+    from tokenlane.bench import lora_cost as lora
+
+    if count < 1:
+        raise SystemExit(f"--lora-adapters must be >= 1, got {count}")
+    names = lora.adapter_names(count)
+    return [dataclasses.replace(ph, config=lora.with_adapters(ph.config, names, rank, root / ph.name),
+                                traffic=lora.spread_over_adapters(ph.traffic, names, seed)) for ph in phases]
+
+
+def _with_overrides(config, overrides: list[str]):
+    """`config` with `section.key=value` overrides (camelCase keys, YAML values) applied."""
+    from tokenlane.runtime.config import RuntimeConfig
+
+    return RuntimeConfig.from_dict(_patched(config.to_dict(), overrides))
 
 
 def format_pairs(summaries: dict[str, dict], pairs: list[tuple[str, str]]) -> str:
@@ -457,7 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="runtime.yaml (executor forced to simulated)")
     s.add_argument("--phase", action="append", default=[], metavar="NAME[:key=value,...]",
                    help="a phase with config overrides, e.g. static:engine.continuousBatching=false")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override every phase's config (scenario or --config), e.g. engine.kvCacheDtype=fp8_e4m3, "
+                        "engine.kvOffload.hostBytes=68719476736, engine.simulatorProfile=h100-llama3-8b; repeatable")
     s.add_argument("--records", action="store_true", help="include every request record in the JSON")
+    s.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="serve N LoRA adapters in every phase and spread the requests uniformly over them")
+    s.add_argument("--lora-rank", type=int, default=16, metavar="R", help="rank of those adapters (default 16)")
     common(s)
     _traffic_args(s)
     s.set_defaults(func=cmd_simulate)

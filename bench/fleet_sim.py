@@ -28,6 +28,13 @@ its GPU.
   is called. A new replica becomes routable `startup_delay_s` after it was added. A
   removed replica drains: it takes no new request and finishes the ones it holds. Replicas
   cost from the moment they are added until they have drained.
+- **Scale from zero.** With `policy="router"` a request that finds no ready replica is held,
+  as the router holds it (at most `hold_queue_size`, each for at most `hold_timeout_s`, then
+  refused `hold_queue_full` / `hold_timeout`), and released at the first scrape that sees a
+  replica ready. The sample carries the router's held requests, the arrivals that found no
+  replica, the requests in flight and those that arrived over `scaleToZeroAfter`, so a
+  `minReplicas: 0` policy wakes the fleet and puts it back to sleep as the operator does.
+  `scale_to_zero_experiment` compares it with `minReplicas: 1` over a day with idle hours.
 
 See docs/fleet.md ("Fleet mode in the simulator") and docs/benchmarks.md ("Fleet").
 """
@@ -52,6 +59,7 @@ from tokenlane.operator.policy.autoscaler import (
     decide,
 )
 from tokenlane.runtime.fleet import pick as fleet_pick
+from tokenlane.runtime.fleet.pick import DEFAULT_HOLD_QUEUE_SIZE, DEFAULT_HOLD_TIMEOUT_S
 from tokenlane.bench.report import REJECTED, LaneSLO, RequestRecord, RunResult, TokenBins, slos_from_config
 from tokenlane.bench.sim import IDLE_TICK_S, MAX_IDLE_TICKS, _BASE_PROMPT, _Collector, _route, record_of
 from tokenlane.runtime.executor.simulated import SimulatedExecutor, VirtualClock
@@ -286,6 +294,8 @@ def simulate_fleet(
     affinity: fleet_pick.PickPolicy = fleet_pick.PickPolicy(),
     scrape_interval_s: float = SCRAPE_INTERVAL_S,
     slos: Optional[dict[str, LaneSLO]] = None,
+    hold_queue_size: int = DEFAULT_HOLD_QUEUE_SIZE,
+    hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
 ) -> FleetResult:
     """Replay `traffic` through a fleet of simulated replicas (see the module docstring).
     With `autoscale`, `replicas` is the starting size (clamped to the policy's bounds) and
@@ -294,6 +304,9 @@ def simulate_fleet(
         raise ValueError(f"fleet policy must be one of {list(POLICIES)}, got {policy!r}")
     if replicas < 1:
         raise ValueError(f"a fleet needs at least one replica, got {replicas}")
+    if hold_queue_size < 0 or not hold_timeout_s > 0:
+        raise ValueError(f"hold queue size must be >= 0 and hold timeout > 0 s, got {hold_queue_size!r}, "
+                         f"{hold_timeout_s!r}")
     if not scrape_interval_s > 0:
         raise ValueError(f"scrape interval must be > 0 s, got {scrape_interval_s!r}")
     if config.engine.executor != "simulated":
@@ -337,6 +350,11 @@ def simulate_fleet(
     decisions: list[dict[str, Any]] = []
     history: tuple[Recommendation, ...] = ()
     pending = deque(traffic.requests)
+    # Scale from zero: requests the router holds while no replica is ready (planned, arrived at),
+    # and the arrival times of the requests that found no ready replica.
+    held: deque[tuple[PlannedRequest, float]] = deque()
+    held_peak = 0
+    without_replica: list[float] = []
     next_scrape = scrape_interval_s
     next_decision = autoscale.interval_s if autoscale else math.inf
 
@@ -346,6 +364,12 @@ def simulate_fleet(
             return
         planned, _ = entry
         record = record_of(req, planned, 0.0, label_lanes)
+        held_for = req.arrival_time - planned.arrival_s
+        if held_for > 0:  # held by the router: the client waited that long before the replica saw it
+            record = dataclasses.replace(
+                record, arrival_s=planned.arrival_s,
+                ttft_s=None if record.ttft_s is None else record.ttft_s + held_for,
+                e2e_s=None if record.e2e_s is None else record.e2e_s + held_for)
         records.append(record)
         finished_at.append((replica.clock.now, record))
         bins.add_many(req.token_times)
@@ -359,7 +383,9 @@ def simulate_fleet(
         records.append(record)
         finished_at.append((now, record))
 
-    def build(planned: PlannedRequest, lane: str) -> tuple[Request, bytes]:
+    def build(planned: PlannedRequest, lane: str, arrival: float) -> tuple[Request, bytes]:
+        """The request as the replica receives it at `arrival` (later than the client sent it
+        when the router held it; the client's deadline still counts from its own arrival)."""
         k = prefix_of[planned.index] if planned.index < len(prefix_of) else None
         own = _own_prompt(planned.index, planned.prompt_tokens)
         if k is None:
@@ -372,20 +398,31 @@ def simulate_fleet(
             request_id=planned.request_id,
             prompt_token_ids=ids,
             sampling_params=SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True),
-            lane=lane, tenant=planned.tenant, priority=planned.priority, arrival_time=planned.arrival_s,
+            lane=lane, tenant=planned.tenant, priority=planned.priority, arrival_time=arrival,
             deadline=None if planned.deadline_ms is None else planned.arrival_s + planned.deadline_ms / 1e3,
         )
         return req, key
 
-    def dispatch(planned: PlannedRequest, now: float) -> None:
+    def dispatch(planned: PlannedRequest, now: float, was_held: bool = False) -> None:
         from tokenlane.runtime.core.admission import AdmissionError
 
+        nonlocal held_peak
         lane = _route(config, planned)
-        arrived_at.append((now, lane))
+        if not was_held:
+            arrived_at.append((now, lane))
+            if policy == ROUTER and not any(r.state == READY for r in fleet):
+                # The router holds it until a scrape finds a replica ready (router.py: _hold).
+                without_replica.append(now)
+                if len(held) < hold_queue_size:
+                    held.append((planned, now))
+                    held_peak = max(held_peak, len(held))
+                    return
+                refuse(planned, lane, "hold_queue_full" if hold_queue_size else "no_healthy_replica", now)
+                return
         by_name = {r.name: r for r in fleet}
         tried: set[str] = set()
         last_reason = ""
-        req, key = build(planned, lane)
+        req, key = build(planned, lane, now)
         while True:
             choice = router.choose(fleet, lane, key, frozenset(tried))
             if isinstance(choice, fleet_pick.Refusal):
@@ -404,7 +441,7 @@ def simulate_fleet(
                 if policy == ROUND_ROBIN:  # a Service does not retry: the client gets the refusal
                     refuse(planned, lane, last_reason, now)
                     return
-                req, key = build(planned, lane)  # a fresh request object for the next try
+                req, key = build(planned, lane, now)  # a fresh request object for the next try
                 continue
             replica.live[req.request_id] = (planned, req)
             replica.served += 1
@@ -472,6 +509,11 @@ def simulate_fleet(
             if t > now - window:
                 arrivals[lane] = arrivals.get(lane, 0) + 1
         ready = [r for r in fleet if r.state == READY]
+        idle_span = autoscale.policy.scale_to_zero_after_s
+        zero = dict(held_requests=float(len(held)),
+                    arrivals_without_replica=float(sum(1 for t in without_replica if t > now - window)),
+                    in_flight=float(sum(len(r.live) for r in fleet if r.state != GONE)),
+                    idle_window_requests=float(sum(1 for t, _ in arrived_at if t > now - idle_span)))
         recent = [load for t, load in load_log if t > now - window * LOAD_NOW_SHARE] or [load_now()]
         lane_samples = {}
         for lane in sorted(set(lanes) | set(arrivals)):
@@ -505,7 +547,7 @@ def simulate_fleet(
         serving = sum(max(0.0, min(now, r.removed_at if r.removed_at is not None else now)
                           - max(now - window, r.ready_at)) for r in fleet if r.state != STARTING) / window
         return FleetSample(at=now, window_s=window, lanes=lane_samples, kv_usage=kv, ready_replicas=settled,
-                           serving_replicas=serving)
+                           serving_replicas=serving, **zero)
 
     def scale(now: float) -> None:
         nonlocal history, peak_active
@@ -531,14 +573,18 @@ def simulate_fleet(
         peak_active = max(peak_active, sum(1 for r in fleet if r.state in (STARTING, READY)))
 
     now = 0.0
-    while pending or any(r.busy for r in fleet):
+    while pending or held or any(r.busy for r in fleet):
         busy = [r for r in fleet if r.busy]
         t_step = min((r.clock.now for r in busy), default=math.inf)
         t_arrival = pending[0].arrival_s if pending else math.inf
         t_ready = min((r.ready_at for r in fleet if r.state == STARTING), default=math.inf)
-        now = min(t_step, t_arrival, t_ready, next_scrape, next_decision)
+        t_hold_expiry = held[0][1] + hold_timeout_s if held else math.inf
+        now = min(t_step, t_arrival, t_ready, next_scrape, next_decision, t_hold_expiry)
         # At equal times: fleet changes and the router's view first, then arrivals, then steps.
-        if t_ready == now:
+        if t_hold_expiry == now:
+            planned, _ = held.popleft()
+            refuse(planned, _route(config, planned), "hold_timeout", now)
+        elif t_ready == now:
             for r in fleet:
                 if r.state == STARTING and r.ready_at <= now:
                     r.state = READY
@@ -549,6 +595,9 @@ def simulate_fleet(
         elif next_scrape == now:
             router.scrape(fleet)
             next_scrape = now + scrape_interval_s
+            if held and any(r.state == READY for r in fleet):  # this scrape sees a replica ready
+                while held:
+                    dispatch(held.popleft()[0], now, was_held=True)
             if autoscale is not None:
                 load_log.append((now, load_now()))
                 while load_log and load_log[0][0] <= now - autoscale.window_s * LOAD_NOW_SHARE:
@@ -587,6 +636,8 @@ def simulate_fleet(
         "gpu_busy_share": sum(r.executor.busy_seconds for r in fleet) / max(replica_seconds, 1e-9),
         "preemptions": sum(r.collector.preemptions for r in fleet),
         "kv_blocks_leaked": sum(r.executor.num_kv_blocks - r.engine.snapshot().kv_blocks_free for r in fleet),
+        "held_peak": held_peak,
+        "arrived_without_replica": len(without_replica),
     }
     run = RunResult(name=name, records=records, duration_s=max(end - first, 1e-9), slos=slos,
                     token_bins=dict(bins.bins), extra=extra, description=traffic.description)
@@ -749,3 +800,129 @@ def ramp_experiment(time_scale: float = 1.25, duration_s: float = 1200.0, seed: 
 
 
 FLEET_EXPERIMENTS = {"routing": routing_experiment, "burst": burst_experiment, "ramp": ramp_experiment}
+
+
+# --------------------------------------------------------------------------- scale to zero
+
+HOURS_PER_DAY = 24
+DEFAULT_COLD_START_S = DEFAULT_STARTUP_DELAY_S  # an 8B model: pod scheduled -> weights loaded -> /ready
+
+
+def idle_day_traffic(hour_s: float, idle_hours: int, rate_rps: float, seed: int = 0) -> tuple[Traffic, float, float]:
+    """A day of `HOURS_PER_DAY` hours of `hour_s` virtual seconds each: traffic at `rate_rps`
+    (a stretch of the conversation trace) except for `idle_hours` in the middle, which have no
+    request at all. Returns the traffic and the idle span [start, end) in seconds."""
+    from tokenlane.bench.trace import merge
+
+    if not 0 < idle_hours < HOURS_PER_DAY:
+        raise ValueError(f"idle hours must be in (0, {HOURS_PER_DAY}), got {idle_hours!r}")
+    if not (hour_s > 0 and rate_rps > 0):
+        raise ValueError(f"hour_s and rate_rps must be > 0, got {hour_s!r}, {rate_rps!r}")
+    busy_before = (HOURS_PER_DAY - idle_hours) // 2
+    idle_start, idle_end = busy_before * hour_s, (busy_before + idle_hours) * hour_s
+    pieces = []
+    for i, (start, end) in enumerate(((0.0, idle_start), (idle_end, HOURS_PER_DAY * hour_s))):
+        part = build_requests_at_rate(rate_rps, end - start, seed + 50 * i)
+        pieces.append(dataclasses.replace(part, requests=[dataclasses.replace(r, arrival_s=r.arrival_s + start)
+                                                          for r in part.requests if r.arrival_s < end - start]))
+    merged = merge(*pieces)
+    merged.description = (f"{HOURS_PER_DAY} h of {hour_s:g} s, idle h {busy_before}-{busy_before + idle_hours}, "
+                          f"{rate_rps:g} req/s otherwise")
+    return merged, idle_start, idle_end
+
+
+@dataclass(frozen=True)
+class ScaleToZeroRun:
+    """One fleet over the idle day: its replica-hours (in the day's hours) and the first
+    request after the idle hours."""
+
+    name: str
+    min_replicas: int
+    result: FleetResult
+    replica_day_hours: float
+    first_after_idle_ttft_s: Optional[float]
+    first_after_idle_outcome: str
+    refused: int
+
+    def row(self) -> dict[str, Any]:
+        return {"fleet": self.name, "minReplicas": self.min_replicas, "replica_hours": self.replica_day_hours,
+                "first_after_idle_ttft_s": self.first_after_idle_ttft_s,
+                "first_after_idle_outcome": self.first_after_idle_outcome, "refused": self.refused,
+                "requests": len(self.result.run.records),
+                "scale_events": sum(1 for d in self.result.decisions if d["desired"] != d["current"])}
+
+
+def scale_to_zero_experiment(hour_s: float = 120.0, idle_hours: int = 8, rate_rps: float = 1.0,
+                             cold_start_s: float = DEFAULT_COLD_START_S,
+                             scale_to_zero_after_h: float = 0.25, max_replicas: int = 3, seed: int = 0,
+                             config: Optional[RuntimeConfig] = None) -> list[ScaleToZeroRun]:
+    """`minReplicas: 1` against `minReplicas: 0` with `scaleToZeroAfter` (in the day's hours:
+    15 min by default) over `idle_day_traffic`, both autoscaled by the same policy otherwise.
+    A new replica is ready `cold_start_s` after it was added (virtual seconds, not scaled with
+    the hour: what the first request after idle waits for)."""
+    config = config or fleet_config()
+    traffic, idle_start, idle_end = idle_day_traffic(hour_s, idle_hours, rate_rps, seed)
+    runs = []
+    for name, low in (("minReplicas 1", 1), ("minReplicas 0", 0)):
+        policy = dataclasses.replace(default_scaling_policy(config, low, max_replicas),
+                                     scale_to_zero_after_s=scale_to_zero_after_h * hour_s)
+        settings = AutoscaleSettings(policy, startup_delay_s=cold_start_s)
+        result = simulate_fleet(config, traffic, name=name, replicas=1, policy=ROUTER, autoscale=settings)
+        after = [r for r in result.run.records if r.arrival_s >= idle_end]
+        first = min(after, key=lambda r: r.arrival_s) if after else None
+        runs.append(ScaleToZeroRun(
+            name=name, min_replicas=low, result=result, replica_day_hours=result.replica_seconds / hour_s,
+            first_after_idle_ttft_s=None if first is None else (first.ttft_s if first.ttft_s is not None
+                                                                else first.e2e_s),
+            first_after_idle_outcome="none" if first is None else first.outcome,
+            refused=sum(1 for r in result.run.records if r.outcome == REJECTED)))
+    return runs
+
+
+def format_scale_to_zero(runs: list[ScaleToZeroRun]) -> str:
+    lines = [f"{'fleet':<14} {'replica-hours':>13} {'first TTFT after idle':>22} {'refused':>8} {'requests':>9}"]
+    for run in runs:
+        ttft = "-" if run.first_after_idle_ttft_s is None else f"{run.first_after_idle_ttft_s:.2f} s"
+        lines.append(f"{run.name:<14} {run.replica_day_hours:>13.2f} {ttft:>22} {run.refused:>8} "
+                     f"{len(run.result.run.records):>9}")
+    base, zero = runs[0], runs[1]
+    lines.append(f"scale to zero / minReplicas 1: replica-hours x{zero.replica_day_hours / base.replica_day_hours:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m tokenlane.bench.fleet_sim`: the scale-to-zero comparison; prints the table
+    and writes JSON (docs/benchmarks.md, "Scale from zero")."""
+    import argparse
+    import json
+    import time
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m tokenlane.bench.fleet_sim",
+                                description="Scale to zero against minReplicas 1 over a day with idle hours.")
+    p.add_argument("--hour-s", type=float, default=120.0, help="virtual seconds per hour of the day (default 120)")
+    p.add_argument("--idle-hours", type=int, default=8, help="hours without any request (default 8)")
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second in the busy hours (default 1)")
+    p.add_argument("--cold-start-s", type=float, default=DEFAULT_COLD_START_S,
+                   help=f"added replica -> ready, seconds (default {DEFAULT_COLD_START_S:g})")
+    p.add_argument("--scale-to-zero-after-h", type=float, default=0.25,
+                   help="scaleToZeroAfter in hours of the day (default 0.25 = 15 min)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/fleet-scale-to-zero.json", help="JSON output path")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    runs = scale_to_zero_experiment(args.hour_s, args.idle_hours, args.rate, args.cold_start_s,
+                                    args.scale_to_zero_after_h, seed=args.seed)
+    wall = time.perf_counter() - started
+    print(format_scale_to_zero(runs))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "wall_seconds": wall, "runs": [r.row() for r in runs],
+                               "replica_hours_ratio": runs[1].replica_day_hours / runs[0].replica_day_hours},
+                              indent=2))
+    print(f"wrote {out} ({wall:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,13 +11,18 @@ Per pool of the config (the shared pool, and each dedicated lane's pool):
    (tuned_sim.run), budgets hot-reloaded as the runtime does; its last budgets are the
    recommendation, kept only if they beat the input config;
 3. after: the traffic replayed against the recommended budgets;
-4. replicas: the smallest replica count at which each lane meets its SLO (>= 95% of its
+4. engine options: the same traffic with an fp8 KV cache (twice the blocks, half the bytes
+   decode reads) and, where prefix caching is on, with a host-memory tier for evicted prefix
+   blocks; each is recommended where it raises SLO goodput by at least MIN_ENGINE_OPTION_GAIN
+   (they restart the pods, and fp8 changes the numbers attention sees), and the replica
+   sweep runs with the recommended ones;
+5. replicas: the smallest replica count at which each lane meets its SLO (>= 95% of its
    requests within every target, i.e. its p95s), at the trace's rate and at x2. With an even
    split every replica sees the same kind of traffic, so one replica's share stands for all.
 
 Out: before/after tables, the knob changes, the replica counts, a patch (ServingLanes for
-manifests, lanes[] keys for a runtime.yaml) with only the knobs the tuner moved, a PNG and a
-JSON. Docs: docs/plan.md.
+manifests, lanes[] keys for a runtime.yaml) with only the knobs the tuner moved and the
+recommended engine options, a PNG and a JSON. Docs: docs/plan.md.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import yaml
 
 from tokenlane.operator.api.tuning_types import GLOBAL, Bounds, EffectiveBudgets, LaneTarget, TunerSettings
 from tokenlane.bench import report, sim, tuned_sim
-from tokenlane.runtime.executor.simulated import DEFAULT_PROFILE, get_profile
+from tokenlane.runtime.executor.simulated import DEFAULT_PROFILE, get_profile, kv_blocks_for
 from tokenlane.bench.trace import (
     TRACE_NAME,
     PlannedRequest,
@@ -46,7 +51,7 @@ from tokenlane.bench.trace import (
     summarize,
     trace_name,
 )
-from tokenlane.runtime.config import ConfigError, RuntimeConfig, knob, loads_config
+from tokenlane.runtime.config import ConfigError, KVOffloadConfig, RuntimeConfig, knob, loads_config
 
 # A lane meets its SLO when this share of its requests finished within every target: the
 # SLOs are p95 targets, and a refused or timed-out request counts as a miss.
@@ -55,6 +60,11 @@ SLO_QUANTILE = 0.95
 # each lane's value in force, the lane caps still capped at the global budget.
 RUNTIME_BOUNDS_LOW, RUNTIME_BOUNDS_HIGH = 0.25, 2.0
 RUNTIME_TUNED_KNOBS = ("maxActiveSequences", "maxBatchedTokens", "prefillChunkSize")
+# An engine option (fp8 KV cache, host tier) is recommended only above this SLO goodput gain:
+# it restarts every pod, and fp8 is a (small) accuracy change.
+MIN_ENGINE_OPTION_GAIN = 0.02
+# The host tier tried: this many times the device KV pool's bytes.
+HOST_TIER_POOL_MULTIPLE = 4
 # The replay's control interval: about eight decisions per pass, within these limits.
 DECISIONS_PER_PASS, MIN_INTERVAL_S, MAX_INTERVAL_S = 8, 1.0, 60.0
 
@@ -308,6 +318,15 @@ class PoolPlan:
     accepted: bool  # the tuner's budgets beat the input config's SLO goodput
     replicas_needed: dict[str, dict[str, Optional[int]]]  # "x1"/"x2" -> lane -> replicas (None: > max)
     sweep: list[dict[str, Any]]
+    engine_options: list["EngineOption"] = field(default_factory=list)  # tried on top of the budgets
+
+    def engine_changes(self) -> dict[str, Any]:
+        """engine keys (camelCase) of the recommended options."""
+        out: dict[str, Any] = {}
+        for option in self.engine_options:
+            if option.recommended:
+                out.update(option.engine)
+        return out
 
     def changes(self) -> list[dict[str, Any]]:
         base = EffectiveBudgets.from_config(self.pool.config)
@@ -320,6 +339,44 @@ class PoolPlan:
             if base.get(GLOBAL, key) != value:
                 out.append({"lane": GLOBAL, "knob": key, "from": base.get(GLOBAL, key), "to": value})
         return out
+
+
+@dataclass
+class EngineOption:
+    """An engine setting tried on top of the recommended budgets."""
+
+    name: str  # "fp8-kv-cache" | "host-tier"
+    engine: dict[str, Any]  # the runtime.yaml engine keys it sets
+    result: report.RunResult
+    gain: Optional[float]  # SLO goodput relative to the budgets-only run (0.05: +5%); None: that had none
+    recommended: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"option": self.name, "engine": self.engine, "goodput_rps": goodput(self.result), "gain": self.gain,
+                "recommended": self.recommended, "summary": report.summarize(self.result)}
+
+
+def kv_pool_bytes(config: RuntimeConfig) -> float:
+    """The simulated device KV pool's bytes (the host tier is sized against it)."""
+    engine = config.engine
+    profile = get_profile(engine.simulator_profile, engine.kv_cache_dtype)
+    blocks = engine.kv_cache_blocks or kv_blocks_for(profile, engine.block_size, engine.gpu_memory_utilization)
+    return float(blocks * engine.block_size * profile.kv_bytes_per_token)
+
+
+def engine_option_candidates(config: RuntimeConfig) -> list[tuple[str, dict[str, Any], RuntimeConfig]]:
+    """(name, engine keys, config) of each option the config does not use yet."""
+    out = []
+    engine = config.engine
+    if not engine.kv_cache_dtype.startswith("fp8"):
+        out.append(("fp8-kv-cache", {"kvCacheDtype": "fp8_e4m3"},
+                    dataclasses.replace(config, engine=dataclasses.replace(engine, kv_cache_dtype="fp8_e4m3"))))
+    if engine.enable_prefix_caching and engine.kv_offload is None:
+        host_bytes = int(HOST_TIER_POOL_MULTIPLE * kv_pool_bytes(config))
+        out.append(("host-tier", {"kvOffload": {"hostBytes": host_bytes}},
+                    dataclasses.replace(config, engine=dataclasses.replace(
+                        engine, kv_offload=KVOffloadConfig(host_bytes=host_bytes)))))
+    return out
 
 
 def goodput(result: report.RunResult) -> float:
@@ -348,7 +405,8 @@ def _sweep_point(result: report.RunResult, rate: float, replicas: int, lanes: li
 
 
 def plan_pool(pool: PlanPool, requests: list[PlannedRequest], *, passes: int, interval_s: float,
-              max_replicas: int, rates: tuple[float, ...] = (1.0, 2.0), progress=None) -> PoolPlan:
+              max_replicas: int, rates: tuple[float, ...] = (1.0, 2.0), progress=None,
+              try_engine_options: bool = True) -> PoolPlan:
     say = progress or (lambda text: None)
     slos = report.slos_from_config(pool.config)
     share = replica_share(requests, pool.replicas)
@@ -369,6 +427,18 @@ def plan_pool(pool: PlanPool, requests: list[PlannedRequest], *, passes: int, in
     accepted = goodput(after) > goodput(before)
     if not accepted:
         proposed, tuned_config, after = EffectiveBudgets.from_config(pool.config), pool.config, before
+    options = []
+    base = goodput(after)
+    candidates = engine_option_candidates(tuned_config) if try_engine_options else []
+    for name, engine_keys, option_config in candidates:
+        say(f"{pool.name}: with {name}")
+        result = sim.simulate(option_config, traffic, f"{pool.name}/{name}", slos=slos)
+        gain = goodput(result) / base - 1 if base else None
+        recommended = goodput(result) > base * (1 + MIN_ENGINE_OPTION_GAIN)
+        options.append(EngineOption(name, engine_keys, result, gain, recommended))
+    for option, (_, _, option_config) in zip(options, candidates):
+        if option.recommended:  # the sweep runs with every recommended option
+            tuned_config = dataclasses.replace(tuned_config, engine=_merged_engine(tuned_config, option_config))
     cache = {(1.0, pool.replicas): after}
     needed: dict[str, dict[str, Optional[int]]] = {}
     sweep = []
@@ -392,7 +462,14 @@ def plan_pool(pool: PlanPool, requests: list[PlannedRequest], *, passes: int, in
         needed[f"x{rate:g}"] = found
         # More traffic never needs fewer replicas: start the next rate where this one ended.
         start = max([v for v in found.values() if v is not None], default=start)
-    return PoolPlan(pool, before, after, tuning, proposed, accepted, needed, sweep)
+    return PoolPlan(pool, before, after, tuning, proposed, accepted, needed, sweep, options)
+
+
+def _merged_engine(config: RuntimeConfig, option_config: RuntimeConfig):
+    """config's engine with the fields option_config's engine changed."""
+    changed = {f.name: getattr(option_config.engine, f.name) for f in dataclasses.fields(option_config.engine)
+               if getattr(option_config.engine, f.name) != getattr(config.engine, f.name)}
+    return dataclasses.replace(config.engine, **changed)
 
 
 # --------------------------------------------------------------------------- the patch
@@ -402,7 +479,10 @@ def patch_documents(config: PlanConfig, plans: list[PoolPlan]) -> list[dict]:
     """SSA-able objects with only the knobs the tuner moved: ServingLanes (spec.budgets) and
     the ModelService (spec.scheduler, global knobs) for manifests; runtime.yaml keys otherwise."""
     changes = [(plan, c) for plan in plans for c in plan.changes()]
-    if not changes:
+    # Engine options are one ModelService setting: recommended where the shared pool's plan (or
+    # the runtime.yaml's only one) recommends them.
+    engine = plans[0].engine_changes() if plans and plans[0].pool is config.pools[0] else {}
+    if not changes and not engine:
         return []
     if config.kind == "runtime":
         lanes: dict[str, dict] = {}
@@ -413,6 +493,8 @@ def patch_documents(config: PlanConfig, plans: list[PoolPlan]) -> list[dict]:
             else:
                 lanes.setdefault(c["lane"], {"name": c["lane"]})[c["knob"]] = _value(c["knob"], c["to"])
         doc: dict[str, Any] = {}
+        if engine:
+            doc["engine"] = engine
         if scheduler:
             doc["scheduler"] = scheduler
         if lanes:
@@ -431,9 +513,14 @@ def patch_documents(config: PlanConfig, plans: list[PoolPlan]) -> list[dict]:
         doc = by_lane.setdefault(c["lane"], {"apiVersion": API_VERSION, "kind": "ServingLane",
                                              "metadata": dict(meta), "spec": {"budgets": {}}})
         doc["spec"]["budgets"][c["knob"]] = _value(c["knob"], c["to"])
-    if scheduler and config.model_service:
+    if (scheduler or engine) and config.model_service:
+        spec: dict[str, Any] = {}
+        if engine:
+            spec["engine"] = engine
+        if scheduler:
+            spec["scheduler"] = scheduler
         docs.append({"apiVersion": API_VERSION, "kind": "ModelService", "metadata": dict(config.model_service),
-                     "spec": {"scheduler": scheduler}})
+                     "spec": spec})
     return docs + [by_lane[lane] for lane in sorted(by_lane)]
 
 
@@ -445,13 +532,15 @@ def patch_text(config: PlanConfig, plans: list[PoolPlan]) -> str:
     docs = patch_documents(config, plans)
     if not docs:
         return "# no change: the input config's budgets already do at least as well on this traffic\n"
+    restart = ("# engine keys restart the pods (a rolling update); the others are hot-reloaded.\n"
+               if any("engine" in d.get("spec", d) for d in docs) else "")
     if config.kind == "runtime":
         head = "# runtime.yaml: set these keys (lanes by name); nothing else changes\n"
     else:
         head = ("# Only the knobs the tuner moved. Apply with server-side apply (leaves every other field alone):\n"
                 "#   kubectl apply --server-side --field-manager=tokenlane-plan -f <this file>\n"
                 "# or commit it as a kustomize patch (patches: [{path: <this file>}]).\n")
-    return head + yaml.safe_dump_all(docs, sort_keys=False)
+    return head + restart + yaml.safe_dump_all(docs, sort_keys=False)
 
 
 # --------------------------------------------------------------------------- output
@@ -468,6 +557,11 @@ def _fmt_replicas(found: dict[str, Optional[int]], max_replicas: int) -> str:
     return ", ".join(f"{lane} {n if n is not None else f'>{max_replicas}'}" for lane, n in found.items())
 
 
+def _fmt_engine(engine: dict[str, Any]) -> str:
+    return ", ".join(f"engine.{k}: {v}" if not isinstance(v, dict) else
+                     ", ".join(f"engine.{k}.{sub}: {subv}" for sub, subv in v.items()) for k, v in engine.items())
+
+
 def text_report(traffic: Traffic, config: PlanConfig, plans: list[PoolPlan], max_replicas: int) -> str:
     lines = [f"traffic: {traffic.description}", f"config: {config.source}", ""]
     summaries = [report.summarize(r) for plan in plans for r in _phases(plan)]
@@ -480,9 +574,16 @@ def text_report(traffic: Traffic, config: PlanConfig, plans: list[PoolPlan], max
                      + ("" if plan.accepted else "; the tuner's budgets did not beat the input: keeping them"))
         for c in plan.changes():
             lines.append(f"  {c['lane']:<14} {c['knob']:<20} {c['from']:g} -> {c['to']:g}")
+        for option in plan.engine_options:
+            gain = "-" if option.gain is None else f"{option.gain:+.1%}"
+            lines.append(f"  engine option {option.name} ({_fmt_engine(option.engine)}): SLO goodput "
+                         f"{goodput(option.result):.2f} req/s per replica ({gain}): "
+                         + ("recommended" if option.recommended else
+                            f"not recommended (below +{MIN_ENGINE_OPTION_GAIN:.0%})"))
         for rate, found in plan.replicas_needed.items():
-            lines.append(f"  replicas to meet each lane's SLO at {rate} the trace's rate: "
-                         f"{_fmt_replicas(found, max_replicas)}")
+            lines.append(f"  replicas to meet each lane's SLO at {rate} the trace's rate"
+                         + (" (with the recommended engine options)" if plan.engine_changes() else "")
+                         + f": {_fmt_replicas(found, max_replicas)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -503,6 +604,7 @@ def plan_json(traffic: Traffic, config: PlanConfig, plans: list[PoolPlan], elaps
             "decisions": [{"at_s": i.end_s, "action": i.decision.action, "reason": i.decision.reason,
                            "changes": [dataclasses.asdict(c) for c in i.decision.changes]}
                           for i in plan.tuning.intervals if i.decision is not None and i.decision.changes],
+            "engine_options": [option.to_dict() for option in plan.engine_options],
             "replicas_needed": plan.replicas_needed,
             "replica_sweep": plan.sweep,
         })
@@ -538,7 +640,8 @@ def run_plan(args: argparse.Namespace, say=None) -> tuple[Traffic, PlanConfig, l
             continue
         interval = args.interval or default_interval(requests, pool.replicas)
         plans.append(plan_pool(pool, requests, passes=args.passes, interval_s=interval,
-                               max_replicas=args.max_replicas, progress=say))
+                               max_replicas=args.max_replicas, progress=say,
+                               try_engine_options=not args.no_engine_options))
     return traffic, config, plans
 
 
@@ -580,6 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of simulated time between the tuner's decisions (default: an eighth of the "
                         f"replayed traffic's span, {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g} s)")
     p.add_argument("--max-replicas", type=int, default=8, help="largest replica count tried (default 8)")
+    p.add_argument("--no-engine-options", action="store_true",
+                   help="do not try an fp8 KV cache and a host-memory KV tier on top of the budgets")
     p.add_argument("--out", default="plan-out", help="folder for plan.json, plan.png, patch.yaml (default plan-out)")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     return p

@@ -6,7 +6,10 @@ virtual clock reaches it; each step advances the clock by the cost model's secon
 step. Thousands of requests at real trace rates run in seconds on a CPU, deterministically.
 
 Besides latencies it measures KV-cache waste: over sampled steps, the slots allocated to
-running requests that hold no token (allocated - computed) / allocated.
+running requests that hold no token (allocated - computed) / allocated; and the prefix cache's
+hit rate and the host tier's block copies (engine.kvOffload). Requests of one conversation
+(`PlannedRequest.conversation`) get prompts that extend each other, so prefix caching and the
+host tier see the reuse of multi-turn chat.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ def prompt_ids(index: int, n: int) -> list[int]:
     return [500 + index % 500] + _BASE_PROMPT[: n - 1] if n > 1 else [500 + index % 500]
 
 
+def conversation_prompt_ids(conversation: int, n: int) -> list[int]:
+    """A conversation's history cut at `n` tokens: three tokens naming the conversation (so
+    prefix caching shares blocks within it and never across conversations), then the pattern."""
+    head = [500 + conversation % 500, 500 + conversation // 500 % 500, 500 + conversation // 250_000 % 500]
+    return (head + _BASE_PROMPT[: max(0, n - len(head))])[:n]
+
+
 class _Collector:
     """EngineObserver: finished requests and step counters."""
 
@@ -56,10 +66,14 @@ class _Collector:
         self.steps = 0
         self.preemptions = 0
         self.max_kv_usage = 0.0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of them, found cached
 
     def on_step(self, stats) -> None:
         if stats.num_batched_tokens:
             self.steps += 1
+        self.prefix_queries += stats.prefix_cache_queries
+        self.prefix_hits += stats.prefix_cache_hits
         self.preemptions += stats.num_preemptions
         self.max_kv_usage = max(self.max_kv_usage, stats.kv_usage)
 
@@ -131,10 +145,12 @@ def request_of(planned: PlannedRequest, config: RuntimeConfig) -> Request:
     """The engine request for a planned one, timed on the virtual clock."""
     return Request(
         request_id=planned.request_id,
-        prompt_token_ids=prompt_ids(planned.index, planned.prompt_tokens),
+        prompt_token_ids=(prompt_ids(planned.index, planned.prompt_tokens) if planned.conversation is None
+                          else conversation_prompt_ids(planned.conversation, planned.prompt_tokens)),
         sampling_params=SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True),
         lane=_route(config, planned),
         tenant=planned.tenant,
+        adapter=planned.adapter,
         priority=planned.priority,
         arrival_time=planned.arrival_s,  # the true arrival, even if the GPU was busy
         deadline=None if planned.deadline_ms is None else planned.arrival_s + planned.deadline_ms / 1e3,
@@ -259,6 +275,11 @@ def simulate(
         "kv_alloc_slots_sampled": kv_alloc_slots,
         "kv_max_usage": collector.max_kv_usage,
         "preemptions": collector.preemptions,
+        "prefix_cache_hit_rate": collector.prefix_hits / collector.prefix_queries if collector.prefix_queries else None,
+        "kv_cache_dtype": config.engine.kv_cache_dtype,
+        "kv_blocks_offloaded": executor.num_blocks_offloaded,
+        "kv_blocks_restored": executor.num_blocks_restored,
+        "host_link_seconds": executor.host_link_seconds,
         "profile": executor.profile.name,
         "continuous_batching": config.engine.continuous_batching,
         "unfinished": len(live),

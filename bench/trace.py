@@ -229,6 +229,10 @@ class PlannedRequest:
     deadline_ms: Optional[float] = None  # relative deadline (X-Request-Deadline-Ms)
     ignore_eos: bool = True
     priority: int = 0
+    # Requests of one conversation (the simulator's multi-turn traffic): each prompt is the
+    # same token sequence cut at its length, so a later turn's prompt extends an earlier one's.
+    conversation: Optional[int] = None
+    adapter: Optional[str] = None  # the LoRA adapter it asks for as its model (bench/lora_cost.py); None = base
 
     @property
     def request_id(self) -> str:

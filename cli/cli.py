@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tokenlane.bench.cli", "load generator, simulator and report"),
     "plan": ("tokenlane.bench.plan", "lane budgets and replicas for your own traffic, in the simulator"),
     "demo": ("tokenlane.bench.demo", "the embedded demo: tiny model, three lanes"),
+    "fetch-model": ("tokenlane.runtime.sources.fetch", "fetch a model (Hugging Face Hub, S3, a folder) into a shared cache"),
     "make-tiny-model": ("tokenlane.runtime.executor.tiny_model", "write a small random-weight checkpoint"),
 }
 

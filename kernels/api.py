@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from tokenlane.kernels.reference import paged_attention_ref, write_kv_cache_ref
+from tokenlane.kernels.reference import check_kv_scales, is_fp8, paged_attention_ref, write_kv_cache_ref
 
 BACKENDS = ("auto", "torch", "triton", "native")
 BACKEND_ENV = "TOKENLANE_ATTENTION_BACKEND"
@@ -55,22 +55,26 @@ def fresh_prefill_through_cache(backend: str, device: torch.device, head_dim: in
     return False
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto") -> None:
-    """Scatter K/V `[T, Hkv, D]` into the paged caches at `slot_mapping` (< 0 = skip)."""
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto", *,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter K/V `[T, Hkv, D]` into the paged caches at `slot_mapping` (< 0 = skip). An fp8
+    cache stores key / k_scale and value / v_scale, saturated to the format's largest finite
+    value and rounded to nearest even (kernels/reference.py `quantize_kv`)."""
     resolved = resolve_backend(backend, key.device)
     if resolved == "triton":
         from tokenlane.kernels.triton_kernels import write_kv_cache_triton
 
-        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
-    if resolved == "native":
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
+    if resolved == "native" and not is_fp8(key_cache.dtype):
         from tokenlane.kernels import cpu_native
 
         # One C call instead of a mask, two gathers and two index_copy_ per layer.
         if cpu_native.can_write_kv(key, value, key_cache, value_cache, slot_mapping) and \
                 cpu_native.write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
             return
-    write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+    write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def rope_write_kv(qkv, num_heads, num_kv_heads, cos, sin_signed, key_cache, value_cache, slot_mapping,
@@ -79,8 +83,10 @@ def rope_write_kv(qkv, num_heads, num_kv_heads, cos, sin_signed, key_cache, valu
     `[T, (Hq + 2 Hkv) * D]` in place (`cos`, and `sin_signed` with its first half negated, are
     `[T, D]`; bitwise runtime/executor/llama.py's `apply_rope_`), then `write_kv_cache` of its keys and
     values. False, with nothing done, where it does not apply (another backend, dtype or
-    layout): the caller rotates with torch ops and calls `write_kv_cache`."""
+    layout, an fp8 cache): the caller rotates with torch ops and calls `write_kv_cache`."""
     if backend != "native" and resolve_backend(backend, qkv.device) != "native":
+        return False
+    if is_fp8(key_cache.dtype):
         return False
     from tokenlane.kernels import cpu_native
 
@@ -91,19 +97,20 @@ def rope_write_kv(qkv, num_heads, num_kv_heads, cos, sin_signed, key_cache, valu
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
     out=None, backend: str = "auto", *, max_query_len: int | None = None,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ):
     """Attention of a flat batch of variable-length queries over their paged contexts.
 
     `max_query_len` / `max_seq_len` are optional host-side values of the batch metadata: with
-    them the Triton launcher picks its tiling without a device-to-host sync."""
+    them the Triton launcher picks its tiling without a device-to-host sync. `k_scale` /
+    `v_scale`: an fp8 cache's dequantization scales (K = stored value * k_scale)."""
     resolved = resolve_backend(backend, query.device)
     if resolved == "triton":
         from tokenlane.kernels.triton_kernels import paged_attention_triton
 
         return paged_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
         )
     if query.device.type == "cpu":
         # Same contract as the reference: every decode in one C kernel call (native) or in
@@ -112,10 +119,11 @@ def paged_attention(
 
         return paged_attention_cpu(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-            native=resolved == "native",
+            native=resolved == "native", k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_ref(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+        k_scale, v_scale,
     )
 
 

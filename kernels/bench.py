@@ -11,10 +11,14 @@ bf16, 16-token pages scattered over the cache):
 3. decode timings (`triton.testing.do_bench`, median): achieved KV-read bytes/s against that
    bandwidth, and dense SDPA on the same problem (contiguous K/V, no paging) for comparison;
 4. prefill timings against dense causal SDPA;
-5. mixed prefill + decode batches against the sum of their parts.
+5. mixed prefill + decode batches against the sum of their parts;
+6. decode over fp8 caches (engine.kvCacheDtype fp8_e4m3 / fp8_e5m2; bf16 queries, per-layer
+   scales): correctness against the torch reference, bandwidth over the bytes read, and the
+   time against the same decode over the bf16 cache (half the bytes: up to 2x faster).
 
 Targets: decode >= 85% of copy bandwidth at batch >= 32 and context >= 4k, faster
-than dense SDPA; mixed within 1.3x of its parts. Prints a table and writes JSON.
+than dense SDPA, for the bf16 and the fp8 caches; mixed within 1.3x of its parts. Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ DECODE_CASES = [  # (batch, context)
     (64, 4096), (64, 32768), (128, 4096), (256, 1024), (256, 4096),
 ]
 QUICK_DECODE_CASES = [(1, 4096), (1, 32768), (32, 4096), (64, 4096), (256, 1024)]
+FP8_DECODE_CASES = [(1, 32768), (32, 4096), (32, 16384), (64, 4096), (128, 4096), (256, 4096)]
+QUICK_FP8_DECODE_CASES = [(32, 4096), (64, 4096)]
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 PREFILL_CASES = [  # (batch, prompt length): fresh prompts, no cached context
     (1, 4096), (4, 2048), (1, 16384),
 ]
@@ -113,7 +120,17 @@ def _run_kernel(batch, out=None):
         batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
         batch["seq_lens"], batch["query_start_loc"], batch["scale"], out,
         max_query_len=batch["max_query_len"], max_seq_len=batch["max_seq_len"],
+        k_scale=batch.get("k_scale", 1.0), v_scale=batch.get("v_scale", 1.0),
     )
+
+
+def _quantized(batch, dtype):
+    """The batch with its caches in an fp8 format (scales that map 4 sigma to the format's max)."""
+    from tokenlane.kernels.reference import quantize_kv
+
+    scale = 4.0 / torch.finfo(dtype).max
+    return dict(batch, key_cache=quantize_kv(batch["key_cache"], dtype, scale),
+                value_cache=quantize_kv(batch["value_cache"], dtype, scale), k_scale=scale, v_scale=scale)
 
 
 def _sdpa_best(bench, q, k, v, **kw):
@@ -185,6 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-host", action="store_true",
                         help="cProfile the host side of a small launch")
     parser.add_argument("--no-sweep", action="store_true", help="skip the split-KV sweep")
+    parser.add_argument("--no-fp8", action="store_true", help="skip the fp8-cache decodes")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU smoke test of this script under TRITON_INTERPRET=1 (tiny sizes, "
                         "meaningless timings)")
@@ -218,7 +236,9 @@ def _dry_run(args) -> int:
 
     global DECODE_CASES, QUICK_DECODE_CASES, PREFILL_CASES, MIXED_CASES, SPLIT_SWEEP_CASES
     global SPLIT_SWEEP_VALUES
+    global FP8_DECODE_CASES, QUICK_FP8_DECODE_CASES
     DECODE_CASES = QUICK_DECODE_CASES = [(1, 40), (3, 70)]
+    FP8_DECODE_CASES = QUICK_FP8_DECODE_CASES = [(3, 70)]
     SPLIT_SWEEP_CASES, SPLIT_SWEEP_VALUES = [(2, 300)], [1, 2]
     PREFILL_CASES = [(1, 33)]
     MIXED_CASES = [(2, 9, 30, 3, 50)]
@@ -241,7 +261,7 @@ def run_benchmarks(args, bench, device, triton_version, copy_gib=4.0) -> int:
     results = dict(
         device=device_name, sms=num_sms, torch=torch.__version__, triton=triton_version, python=platform.python_version(),
         heads=H, kv_heads=Hkv, head_dim=D, block_size=BS, dtype=args.dtype,
-        autotune=triton_kernels.AUTOTUNE, decode=[], prefill=[], mixed=[], failures=[],
+        autotune=triton_kernels.AUTOTUNE, decode=[], decode_fp8=[], prefill=[], mixed=[], failures=[],
     )
     t0 = time.time()
     copy_bw = measure_copy_bandwidth(bench, device, copy_gib)
@@ -300,6 +320,42 @@ def run_benchmarks(args, bench, device, triton_version, copy_gib=4.0) -> int:
               f"{row.get('speedup_vs_sdpa', float('nan')):>6.2f}x {row.get('sdpa_backend')} "
               f"{row.get('max_err_vs_ref', row['max_err_vs_sdpa']):>8.1e} "
               f"{'y' if row['correct'] else 'N':>3}", flush=True)
+
+    # ---- decode over fp8 caches ----
+    if not args.no_fp8:
+        print(f"\n{'fp8':>8} {'format':>8} {'batch':>5} {'ctx':>6} {'us':>9} {'GB/s':>7} {'%copy':>6} "
+              f"{'bf16 us':>9} {'vs bf16':>7} {'err':>8} {'ok':>3}")
+        bf16_us = {(r["batch"], r["context"]): r["us"] for r in results["decode"]}
+        for fmt, fp8 in FP8_DTYPES.items():
+            for batch_size, ctx in (QUICK_FP8_DECODE_CASES if args.quick else FP8_DECODE_CASES):
+                seq_lens, query_lens = [ctx] * batch_size, [1] * batch_size
+                batch = _quantized(_paged_batch(seq_lens, query_lens, H, Hkv, D, BS, dtype, device, gen), fp8)
+                out = torch.full_like(batch["query"], float("nan"))
+                _run_kernel(batch, out)
+                _sync(device)
+                row = dict(format=fmt, batch=batch_size, context=ctx)
+                ref = paged_attention_ref(batch["query"], batch["key_cache"], batch["value_cache"],
+                                          batch["block_tables"], batch["seq_lens"], batch["query_start_loc"],
+                                          batch["scale"], k_scale=batch["k_scale"], v_scale=batch["v_scale"])
+                row["max_err_vs_ref"] = _err(out, ref)
+                row["correct"] = bool(not torch.isnan(out).any() and row["max_err_vs_ref"] <= tol)
+                if not row["correct"]:
+                    results["failures"].append({"case": f"decode {fmt} b{batch_size} c{ctx}", **row})
+                ms = bench(lambda: _run_kernel(batch, out))
+                nbytes = kv_bytes(seq_lens, Hkv, D, 1) + 2 * out.numel() * elem
+                row.update(us=ms * 1e3, GBps=nbytes / (ms * 1e-3) / 1e9, frac_copy_bw=nbytes / (ms * 1e-3) / copy_bw)
+                if (batch_size, ctx) not in bf16_us:  # the bf16 decode of this case, for the ratio
+                    plain = _paged_batch(seq_lens, query_lens, H, Hkv, D, BS, dtype, device, gen)
+                    _run_kernel(plain)
+                    bf16_us[(batch_size, ctx)] = 1e3 * bench(lambda: _run_kernel(plain))
+                    del plain
+                row.update(bf16_us=bf16_us[(batch_size, ctx)], speedup_vs_bf16=bf16_us[(batch_size, ctx)] / row["us"])
+                results["decode_fp8"].append(row)
+                print(f"{'':>8} {fmt:>8} {batch_size:>5} {ctx:>6} {row['us']:>9.1f} {row['GBps']:>7.0f} "
+                      f"{100 * row['frac_copy_bw']:>5.1f}% {row['bf16_us']:>9.1f} {row['speedup_vs_bf16']:>6.2f}x "
+                      f"{row['max_err_vs_ref']:>8.1e} {'y' if row['correct'] else 'N':>3}", flush=True)
+                del batch, ref
+                _empty_cache(device)
 
     # ---- prefill ----
     print(f"\n{'prefill':>8} {'batch':>5} {'len':>6} {'us':>9} {'TFLOP/s':>8} {'sdpa us':>9} "
@@ -420,9 +476,12 @@ def run_benchmarks(args, bench, device, triton_version, copy_gib=4.0) -> int:
 
     # ---- targets ----
     big = [r for r in results["decode"] if r["batch"] >= 32 and r["context"] >= 4096]
+    big_fp8 = [r for r in results["decode_fp8"] if r["batch"] >= 32 and r["context"] >= 4096]
     targets = dict(
         decode_bw_min_frac=min((r["frac_copy_bw"] for r in big), default=None),
         decode_bw_target=0.85,
+        decode_fp8_bw_min_frac=min((r["frac_copy_bw"] for r in big_fp8), default=None),
+        decode_fp8_min_speedup_vs_bf16=min((r["speedup_vs_bf16"] for r in big_fp8), default=None),
         decode_faster_than_sdpa=(all(r.get("speedup_vs_sdpa", 0) > 1 for r in big)
                                  if big else None),
         mixed_ratio_max=max((r["ratio"] for r in results["mixed"]), default=None),

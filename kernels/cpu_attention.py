@@ -18,8 +18,11 @@ in another (kernels/cpu_native.py; 1.1-2.1x SDPA's speed on such heads); otherwi
 The grouping depends only on the batch layout, so it is built once and reused by every layer
 of a forward pass (while `block_tables` / `seq_lens` / `query_start_loc` hold the same values).
 The cache may be stored in another dtype than the query (e.g. a bf16 cache with fp32
-compute): only the gathered K/V are upcast. Results equal the reference up to float32
-summation order (tests/kernels/test_cpu_attention.py).
+compute): only the gathered K/V are upcast. An fp8 cache (engine.kvCacheDtype fp8_e4m3 /
+fp8_e5m2) is dequantized with its scales folded out of the products: q . (k * k_scale) is
+the softmax scale times k_scale, and sum p (v * v_scale) one multiply of the output (the C
+kernels need no scale arguments). Results equal the reference up to float32 summation order
+(tests/kernels/test_cpu_attention.py).
 
 Measured (`python -m tokenlane.kernels.cpu_attention_bench`, one thread, 19M-model shapes):
 1.0-1.4x over one SDPA per decode, with an fp32 or a bf16 cache (fp32 queries). Decode
@@ -30,11 +33,16 @@ still, but took 45 s to compile cold plus 14 s per new batch shape.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tokenlane.kernels.reference import check_kv_scales, is_fp8
+
+log = logging.getLogger("tokenlane.kernels")
 
 # Gathered K + V bytes of one decode group. Of 0.5, 1 and 2 MiB, 2 was fastest on a 1 MiB-L2
 # EPYC (fewer, bigger calls); unbounded (one gather of every decode) was slower.
@@ -61,6 +69,8 @@ def paged_attention_cpu(
     *,
     batch_decodes: bool = True,  # False: one SDPA per decode too (the previous path; benchmarks)
     native: bool = False,  # decodes through the C kernel (kernels/cpu_native.py), one call
+    k_scale: float = 1.0,  # fp8 caches: K = stored value * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     # Inference mode throughout: the scratch buffers and the cached plan are reused across
     # calls, and a buffer first made under the model's inference_mode could not be written
@@ -68,16 +78,39 @@ def paged_attention_cpu(
     # again costs 7 us, every layer).
     if torch.is_inference_mode_enabled():
         return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                query_start_loc, scale, out, batch_decodes, native)
+                                query_start_loc, scale, out, batch_decodes, native, k_scale, v_scale)
     with torch.inference_mode():
         return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                query_start_loc, scale, out, batch_decodes, native)
+                                query_start_loc, scale, out, batch_decodes, native, k_scale, v_scale)
+
+
+_fp8_fallback_logged = False
+
+
+def _native_reads(cache_dtype: torch.dtype) -> bool:
+    """Whether the loaded C library reads fp8 caches of this dtype (one built before fp8 does
+    not): else they take the torch path (logged once)."""
+    global _fp8_fallback_logged
+    from tokenlane.kernels import cpu_native
+
+    if cpu_native.reads_cache_dtype(cache_dtype):
+        return True
+    if not _fp8_fallback_logged:
+        _fp8_fallback_logged = True
+        log.info("the native attention kernels do not read %s caches here: that attention runs "
+                 "on the torch path", cache_dtype)
+    return False
 
 
 def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                     scale, out, batch_decodes, native):
+                     scale, out, batch_decodes, native, k_scale=1.0, v_scale=1.0):
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
+    if native and is_fp8(key_cache.dtype) and not _native_reads(key_cache.dtype):
+        native = False
     if out is None:
         out = torch.empty_like(query)
+    # Scales folded out of the products: q . (k ks) = ks (q . k); sum p (v vs) = vs sum p v.
+    scale = scale * k_scale
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     if query.shape[1] % num_kv_heads:
         raise ValueError(
@@ -104,18 +137,18 @@ def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
         pool = cpu_native.in_pool_step()
         if plan.native_decodes is not None:
             _attend_decodes_native(query, key_cache, value_cache, block_tables, plan.native_decodes,
-                                   scale, out, native_threads, pool)
+                                   scale, out, native_threads, pool, v_scale)
         if plan.native_prefills is not None:
             _attend_prefills_native(query, key_cache, value_cache, block_tables, plan.native_prefills,
-                                    scale, out, native_threads, pool)
+                                    scale, out, native_threads, pool, v_scale)
     try:
         current = threads
         for group in plan.decode_groups:
             current = _use_threads(threads if group.work >= _PARALLEL_WORK else 1, current)
-            _attend_decode_group(query, key_cache, value_cache, group, scale, out)
+            _attend_decode_group(query, key_cache, value_cache, group, scale, out, v_scale)
         for seq in plan.sequences:
             current = _use_threads(threads if seq.work >= _PARALLEL_WORK else 1, current)
-            _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, out)
+            _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, out, v_scale)
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -304,16 +337,16 @@ def _decode_groups(decodes, bounds, block_tables, starts, block_size) -> list[_D
 # --------------------------------------------------------------------------- attention
 
 
-def _attend_decode_group(query, key_cache, value_cache, group, scale, out):
+def _attend_decode_group(query, key_cache, value_cache, group, scale, out, v_scale=1.0):
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     n = group.blocks.numel() // group.blocks_per_seq
     padded_len = group.blocks_per_seq * block_size
     k = _gather(key_cache, group.blocks, "k")
     v = _gather(value_cache, group.blocks, "v")
-    if group.padding is not None:
-        k.view(-1, num_kv_heads * head_dim).index_fill_(0, group.padding, 0)
-        v.view(-1, num_kv_heads * head_dim).index_fill_(0, group.padding, 0)
+    if group.padding is not None:  # (0 is also fp8's zero: fill the bytes)
+        _bytes(k).view(-1, num_kv_heads * head_dim).index_fill_(0, group.padding, 0)
+        _bytes(v).view(-1, num_kv_heads * head_dim).index_fill_(0, group.padding, 0)
     k, v = _as_float(k, "k32"), _as_float(v, "v32")  # contiguous: a plain conversion
     # [n, Hkv, len, D] strided views of the gathered blocks.
     k = k.view(n, padded_len, num_kv_heads, head_dim)[:, : group.max_len].transpose(1, 2)
@@ -325,6 +358,8 @@ def _attend_decode_group(query, key_cache, value_cache, group, scale, out):
     if q.dtype != torch.float32:
         q = q.float()
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+    if v_scale != 1.0:
+        o.mul_(v_scale)
     o = o.reshape(n, num_heads, head_dim).to(out.dtype)
     if isinstance(rows, slice):
         out[rows] = o
@@ -333,7 +368,7 @@ def _attend_decode_group(query, key_cache, value_cache, group, scale, out):
 
 
 def _attend_decodes_native(query, key_cache, value_cache, block_tables, decodes, scale, out,
-                           threads, pool=False):
+                           threads, pool=False, v_scale=1.0):
     from tokenlane.kernels import cpu_native
 
     num_kv_heads = key_cache.shape[2]
@@ -346,13 +381,13 @@ def _attend_decodes_native(query, key_cache, value_cache, block_tables, decodes,
     cpu_native.paged_decode_attention(
         q, key_cache, value_cache, block_tables, decodes.rows, decodes.seqs, decodes.lens,
         decodes.max_len, scale, o, threads, pool)
-    if o is not out:
+    if o is not out or v_scale != 1.0:
         rows = decodes.rows.long()
-        out.index_copy_(0, rows, o.index_select(0, rows).to(out.dtype))
+        out.index_copy_(0, rows, o.index_select(0, rows).mul_(v_scale).to(out.dtype))
 
 
 def _attend_prefills_native(query, key_cache, value_cache, block_tables, prefills, scale, out,
-                            threads, pool=False):
+                            threads, pool=False, v_scale=1.0):
     from tokenlane.kernels import cpu_native
 
     if prefills.work < _PARALLEL_WORK:
@@ -362,18 +397,18 @@ def _attend_prefills_native(query, key_cache, value_cache, block_tables, prefill
     cpu_native.paged_prefill_attention(
         q, key_cache, value_cache, block_tables, prefills.q_starts, prefills.q_lens,
         prefills.ctx_lens, prefills.seqs, scale, o, threads, pool)
-    if o is not out:
+    if o is not out or v_scale != 1.0:
         for start, n in zip(prefills.q_starts.tolist(), prefills.q_lens.tolist()):
-            out[start : start + n] = o[start : start + n].to(out.dtype)
+            out[start : start + n] = o[start : start + n].mul(v_scale).to(out.dtype)
 
 
-def _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, out):
+def _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, out, v_scale=1.0):
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     q_len, ctx_len = seq.q_end - seq.q_start, seq.ctx_len
     blocks = block_tables[seq.index, : -(-ctx_len // block_size)].long()
-    k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
-    v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
+    k = _bytes(key_cache).index_select(0, blocks).view(key_cache.dtype).view(-1, num_kv_heads, head_dim)[:ctx_len]
+    v = _bytes(value_cache).index_select(0, blocks).view(value_cache.dtype).view(-1, num_kv_heads, head_dim)[:ctx_len]
     q = query[seq.q_start : seq.q_end]
     q, k, v = (t if t.dtype == torch.float32 else t.float() for t in (q, k, v))
     # [1, H, len, D] views for SDPA.
@@ -392,13 +427,21 @@ def _attend_sequence(query, key_cache, value_cache, block_tables, seq, scale, ou
         q4, k4, v4, attn_mask=mask, is_causal=causal, scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
+    if v_scale != 1.0:
+        o.mul_(v_scale)
     out[seq.q_start : seq.q_end] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """torch's CPU index ops lack float8: an fp8 tensor moves as its bytes."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
     """cache[blocks] into a reused buffer (no allocation, no page faults per call)."""
-    buf = _scratch(name, (blocks.numel(), *cache.shape[1:]), cache.dtype, cache.device)
-    return torch.index_select(cache, 0, blocks, out=buf)
+    src = _bytes(cache)
+    buf = _scratch(name, (blocks.numel(), *cache.shape[1:]), src.dtype, cache.device)
+    return torch.index_select(src, 0, blocks, out=buf).view(cache.dtype)
 
 
 def _as_float(t: torch.Tensor, name: str) -> torch.Tensor:

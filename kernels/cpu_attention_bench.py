@@ -14,6 +14,12 @@ first layer builds the plan and the other three reuse it, as in the engine. Repo
 layer call (median over rounds) as wall time and as the process's CPU time (every thread's;
 less sensitive to a shared, busy host), and the speed-ups. `native` is left out where no C
 compiler is present.
+
+    python -m tokenlane.kernels.cpu_attention_bench --fp8-vs-bf16 [--json out.json]
+
+times each decode path (grouped SDPA, native) over the same batch stored in a bf16 cache and
+in fp8 caches (e4m3, e5m2; per-layer scales, as engine.kvCacheDtype fp8_* stores them) in
+alternating rounds, and prints the fp8 times with their ratio to bf16's.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import torch
 
 from tokenlane.kernels import cpu_native
 from tokenlane.kernels.cpu_attention import paged_attention_cpu
-from tokenlane.kernels.reference import paged_attention_ref
+from tokenlane.kernels.reference import is_fp8, paged_attention_ref, quantize_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 8, 4, 32, 16, 4
 CASES = [(16, 16, 640), (64, 16, 640), (16, 500, 900), (64, 500, 900)]  # (S, min ctx, max ctx)
 QUICK_CASES = [(4, 16, 64)]  # --quick: a smoke test of the script
+FP8_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def decode_batch(num_seqs, lo, hi, cache_dtype, seed=0):
@@ -43,8 +50,10 @@ def decode_batch(num_seqs, lo, hi, cache_dtype, seed=0):
     num_blocks = 2 * sum(needed)
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = torch.randn(shape, generator=gen).to(cache_dtype)
-    value_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    # fp8: the scale maps 4 sigma to the format's largest value.
+    kv_scale = 4.0 / torch.finfo(cache_dtype).max if is_fp8(cache_dtype) else 1.0
+    key_cache = quantize_kv(torch.randn(shape, generator=gen), cache_dtype, kv_scale)
+    value_cache = quantize_kv(torch.randn(shape, generator=gen), cache_dtype, kv_scale)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(num_seqs, max(needed), dtype=torch.int32)
     for s, n in enumerate(needed):
@@ -53,7 +62,7 @@ def decode_batch(num_seqs, lo, hi, cache_dtype, seed=0):
     return dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=tables,
                 seq_lens=torch.tensor(lens, dtype=torch.int32),
                 query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
-                scale=HEAD_DIM**-0.5)
+                scale=HEAD_DIM**-0.5, kv_scales=dict(k_scale=kv_scale, v_scale=kv_scale))
 
 
 def paths() -> dict[str, dict]:
@@ -72,7 +81,7 @@ def run_steps(batch, steps, path, out):
         qsl = batch["query_start_loc"].clone()
         for _ in range(LAYERS):
             paged_attention_cpu(batch["query"], batch["key_cache"], batch["value_cache"], tables,
-                                lens, qsl, batch["scale"], out, **path)
+                                lens, qsl, batch["scale"], out, **path, **batch["kv_scales"])
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -110,6 +119,57 @@ def bench_case(num_seqs, lo, hi, cache_dtype, rounds, steps):
     return result
 
 
+def bench_fp8_case(num_seqs, lo, hi, rounds, steps):
+    """The grouped and native decode paths over bf16 and fp8 caches of one batch."""
+    dtypes = {"bfloat16": torch.bfloat16, **FP8_CACHE_DTYPES}
+    batches = {name: decode_batch(num_seqs, lo, hi, dtype) for name, dtype in dtypes.items()}
+    measured = {name: path for name, path in paths().items() if name != "per_sequence"}
+    errors, times = {}, {}
+    for cache, batch in batches.items():
+        args = [batch[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+                                   "query_start_loc", "scale")]
+        ref = paged_attention_ref(*args, **batch["kv_scales"])
+        for name, path in measured.items():
+            got = paged_attention_cpu(*args, torch.full_like(batch["query"], float("nan")), **path,
+                                      **batch["kv_scales"])
+            errors[f"{cache}/{name}"] = float((got - ref).abs().max())
+            times[f"{cache}/{name}"] = []
+    out = torch.empty_like(batches["bfloat16"]["query"])
+    for _ in range(rounds):
+        for cache, batch in batches.items():
+            for name, path in measured.items():
+                wall, _ = run_steps(batch, steps, path, out)
+                times[f"{cache}/{name}"].append(wall / (steps * LAYERS) * 1e3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratios = {f"{cache}/{name}": med[f"bfloat16/{name}"] / med[f"{cache}/{name}"]
+              for cache in FP8_CACHE_DTYPES for name in measured}
+    return {"seqs": num_seqs, "context": [lo, hi], "ms_per_layer_median": med,
+            "speedup_vs_bf16": ratios, "max_abs_error": errors, "rounds_ms_per_layer": times}
+
+
+def main_fp8(args) -> int:
+    results = []
+    names = [n for n in paths() if n != "per_sequence"]
+    print(f"torch {torch.__version__}, {args.threads} thread(s), fp32 queries; decode ms per layer "
+          f"call (wall, median of {args.rounds} rounds); x = bf16 time / fp8 time")
+    print("| S | context | path | bf16 | fp8_e4m3 | x | fp8_e5m2 | x | max err |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    for num_seqs, lo, hi in QUICK_CASES if args.quick else CASES:
+        r = bench_fp8_case(num_seqs, lo, hi, args.rounds, args.steps)
+        m, x = r["ms_per_layer_median"], r["speedup_vs_bf16"]
+        for name in names:
+            print(f"| {num_seqs} | U[{lo}, {hi}] | {name} | {m[f'bfloat16/{name}']:.3f} | "
+                  f"{m[f'fp8_e4m3/{name}']:.3f} | {x[f'fp8_e4m3/{name}']:.2f}x | "
+                  f"{m[f'fp8_e5m2/{name}']:.3f} | {x[f'fp8_e5m2/{name}']:.2f}x | "
+                  f"{max(v for k, v in r['max_abs_error'].items() if k.endswith(name)):.1e} |", flush=True)
+        results.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+                       "threads": args.threads, "mode": "fp8-vs-bf16", "cases": results}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
@@ -118,8 +178,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps (x4 layer calls) per round")
     parser.add_argument("--quick", action="store_true", help="one tiny case, to check the script")
+    parser.add_argument("--fp8-vs-bf16", action="store_true",
+                        help="the decode paths over bf16 and fp8 caches of the same batches")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.fp8_vs_bf16:
+        return main_fp8(args)
     cache_dtype = getattr(torch, args.cache_dtype)
     results = []
     print(f"torch {torch.__version__}, {args.threads} thread(s), fp32 queries, "

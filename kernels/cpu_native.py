@@ -56,8 +56,10 @@ JIT_ENV = "TOKENLANE_NATIVE_JIT"
 # libomp, runs them on the caller alone).
 JIT_FLAGS = ("-march=native",)
 
-# The C kernel's cache dtype codes.
+# The C kernel's cache dtype codes: the KV write's, and the attention kernels' (also fp8: they
+# read its bytes through a table; the scales are the caller's, kernels/cpu_attention.py).
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ATTENTION_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _ERRORS = {1: "unsupported cache dtype", 2: "out of memory", 3: "bad shape", 4: "a NaN sum"}
 TL_NAN = 4
 MAX_GROUP = 64  # query heads per KV head (TL_MAX_GROUP in the C source)
@@ -516,8 +518,9 @@ def _launchable(query, key_cache, value_cache, block_tables, out, index: dict[st
                          f"cache {tuple(key_cache.shape)}, out {tuple(out.shape)}")
     if query.dtype != torch.float32 or out.dtype != torch.float32:
         raise ValueError(f"query and out must be float32, got {query.dtype} and {out.dtype}")
-    if key_cache.dtype not in _DTYPES or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"cache dtype must be one of {list(_DTYPES)}, got {key_cache.dtype}")
+    if not reads_cache_dtype(key_cache.dtype) or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"cache dtype must be one this library reads ({list(_ATTENTION_DTYPES)}), "
+                         f"got {key_cache.dtype} / {value_cache.dtype}")
     for name, tensor in (("query", query), ("out", out), ("key_cache", key_cache)):
         if tensor.device.type != "cpu" or tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be a CPU tensor with a contiguous last axis")
@@ -528,6 +531,16 @@ def _launchable(query, key_cache, value_cache, block_tables, out, index: dict[st
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         raise ValueError("block_tables must be int32 with a contiguous last axis")
     return lib
+
+
+def reads_cache_dtype(dtype: torch.dtype) -> bool:
+    """Whether the attention kernels of the loaded library read a KV cache of `dtype` (a
+    library built before fp8 lacks `tl_attention_reads_dtype` and reads the write's dtypes)."""
+    lib = load()
+    if lib is None or dtype not in _ATTENTION_DTYPES:
+        return False
+    reads = getattr(lib, "tl_attention_reads_dtype", None)
+    return dtype in _DTYPES if reads is None else bool(reads(_ATTENTION_DTYPES[dtype]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -571,7 +584,7 @@ def paged_prefill_attention(
         return out
     code = lib.tl_paged_prefill_attention(
         query.data_ptr(), query.stride(0), query.stride(1),
-        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPES[key_cache.dtype],
+        key_cache.data_ptr(), value_cache.data_ptr(), _ATTENTION_DTYPES[key_cache.dtype],
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.data_ptr(), block_tables.stride(0),
         q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), seqs.data_ptr(), n,
@@ -621,7 +634,7 @@ def paged_decode_attention(
         (max_len, block_size, block_tables.shape)
     code = lib.tl_paged_decode_attention(
         query.data_ptr(), query.stride(0), query.stride(1),
-        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPES[key_cache.dtype],
+        key_cache.data_ptr(), value_cache.data_ptr(), _ATTENTION_DTYPES[key_cache.dtype],
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.data_ptr(), block_tables.stride(0),
         rows.data_ptr(), seqs.data_ptr(), lens.data_ptr(), n,

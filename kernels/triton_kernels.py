@@ -41,11 +41,19 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenlane.kernels.reference import FP8_DTYPES, check_kv_scales, is_fp8
+
 # Triton decides at decoration time (this module's import) whether kernels run in its
 # interpreter; record that decision so launchers can explain a CPU tensor without it.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = QUERY_DTYPES + FP8_DTYPES  # of the KV cache
+# fp8 formats: (mantissa bits, smallest normal, largest finite).
+_FP8_FORMATS = {
+    torch.float8_e4m3fn: (3, 2.0**-6, 448.0),
+    torch.float8_e5m2: (2, 2.0**-14, 57344.0),
+}
 MAX_BLOCK_SIZE = 256
 MAX_SPLITS = 64
 # TOKENLANE_TRITON_AUTOTUNE=0 uses the fixed configs below instead of autotuning on a GPU (the
@@ -56,6 +64,25 @@ AUTOTUNE = os.environ.get("TOKENLANE_TRITON_AUTOTUNE", "1") != "0"
 # --------------------------------------------------------------------------------------------
 # KV write
 # --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to_fp8(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, FMAX: tl.constexpr):
+    """float32 x saturated to +-FMAX and rounded to nearest even on the fp8 grid, still in
+    float32: the cast that follows is then exact, whatever rounding the conversion does (the
+    interpreter's fp8 cast truncates where rounding would carry into the exponent)."""
+    x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
+    bits = x.to(tl.int32, bitcast=True)
+    drop: tl.constexpr = 23 - MANT  # float32 mantissa bits the format lacks
+    lsb = (bits >> drop) & 1
+    bits = (bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
+    normal = bits.to(tl.float32, bitcast=True)
+    # Below the smallest normal the grid is uniform (step MIN_NORMAL * 2^-MANT): adding and
+    # subtracting step * 2^23 rounds to it, to nearest even.
+    magic: tl.constexpr = MIN_NORMAL * (2.0 ** (23 - MANT))
+    ax = tl.abs(x)
+    sub = (ax + magic) - magic
+    return tl.where(ax < MIN_NORMAL, tl.where(x < 0, -sub, sub), normal)
 
 
 @triton.jit
@@ -70,10 +97,14 @@ def _write_kv_cache_kernel(
     stride_kc_b, stride_kc_s, stride_kc_h,
     stride_vc_b, stride_vc_s, stride_vc_h,
     num_kv_heads,
+    k_scale, v_scale,  # fp8 caches store key / k_scale, value / v_scale
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,  # next power of two >= HEAD_DIM
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,  # KV heads per program
+    FP8_MANT: tl.constexpr,  # 0: not an fp8 cache; else the format (see _FP8_FORMATS)
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     head_tile = tl.program_id(1)
@@ -92,6 +123,9 @@ def _write_kv_cache_kernel(
                 mask=mask)
     v = tl.load(value_ptr + tok64 * stride_v_t + heads64[:, None] * stride_v_h + dims[None, :],
                 mask=mask)
+    if FP8_MANT > 0:
+        k = _round_to_fp8(tl.math.div_rn(k.to(tl.float32), k_scale), FP8_MANT, FP8_MIN_NORMAL, FP8_MAX)
+        v = _round_to_fp8(tl.math.div_rn(v.to(tl.float32), v_scale), FP8_MANT, FP8_MIN_NORMAL, FP8_MAX)
     kc = key_cache_ptr + block * stride_kc_b + offset * stride_kc_s
     vc = value_cache_ptr + block * stride_vc_b + offset * stride_vc_s
     tl.store(kc + heads64[:, None] * stride_kc_h + dims[None, :],
@@ -144,9 +178,12 @@ def write_kv_cache_triton(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 = skip this token
+    k_scale: float = 1.0,  # fp8 caches: stored = key / k_scale (saturated, nearest even)
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter this step's keys and values into the paged cache (in place)."""
     _check_cache_pair(key_cache, value_cache)
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
     _check_devices(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                    slot_mapping=slot_mapping)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -157,6 +194,8 @@ def write_kv_cache_triton(
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in head_dim (stride(-1) == 1)")
+    if key.dtype not in QUERY_DTYPES or value.dtype != key.dtype:
+        raise ValueError(f"key and value must share a dtype of {QUERY_DTYPES}, got {key.dtype} / {value.dtype}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -174,9 +213,15 @@ def write_kv_cache_triton(
         value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        num_kv_heads,
+        num_kv_heads, float(k_scale), float(v_scale),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_H=block_h,
+        **_fp8_meta(key_cache.dtype),
     )
+
+
+def _fp8_meta(cache_dtype: torch.dtype) -> dict:
+    mant, min_normal, fmax = _FP8_FORMATS.get(cache_dtype, (0, 1.0, 1.0))
+    return dict(FP8_MANT=mant, FP8_MIN_NORMAL=min_normal, FP8_MAX=fmax)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,6 +258,7 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of these tiles is visible to every row
+    KV_FP8: tl.constexpr,  # fp8 cache: widened (exactly) to the query's dtype after the load
 ):
     """Online-softmax over KV tiles (exp2 domain; qk_scale includes log2(e))."""
     dims = tl.arange(0, HEAD_DIM_P)
@@ -233,6 +279,8 @@ def _attend_tiles(
             k = tl.load(k_ptrs, mask=dim_valid[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)  # [HEAD_DIM_P, TILE_N]
+        if KV_FP8:
+            k = k.to(q.dtype)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
@@ -253,6 +301,8 @@ def _attend_tiles(
             v = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)  # [TILE_N, HEAD_DIM_P]
+        if KV_FP8:
+            v = v.to(q.dtype)
         p = p.to(v.dtype)  # the probabilities enter the PV product in the cache dtype
         if DOT_IN_FP32:
             p = p.to(tl.float32)
@@ -274,7 +324,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [S, max_blocks_per_seq] int32
     seq_lens_ptr,  # [S] int32: context length including this step's queries
     query_start_loc_ptr,  # [S + 1] int32: cumulative query lengths
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache)
+    v_scale,  # fp8 cache: V = stored value * v_scale, applied once to the accumulator
     num_seqs,
     tune_bucket,  # unused by the kernel: a coarse problem size, part of the autotune key
     stride_q_t, stride_q_h,
@@ -292,6 +343,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), else the default
     DOT_IN_FP32: tl.constexpr,  # interpreter + bf16: its tl.dot multiplies raw bf16 bits
+    KV_FP8: tl.constexpr,  # the caches are fp8 (the query float32/bf16/fp16)
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -346,13 +398,17 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, tile_lo, tile_mid, kv_len, bt_row, k_base, v_base, qk_scale,
         stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, DOT_PRECISION, DOT_IN_FP32, False,
+        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, DOT_PRECISION, DOT_IN_FP32, False, KV_FP8,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, tile_mid, tile_hi, kv_len, bt_row, k_base, v_base, qk_scale,
         stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, DOT_PRECISION, DOT_IN_FP32, True,
+        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, DOT_PRECISION, DOT_IN_FP32, True, KV_FP8,
     )
+    if KV_FP8:
+        # Dequantization folded out of the loop: q . (k * ks) = ks (q . k) went into
+        # qk_scale, and sum p (v * vs) = vs sum p v is one multiply here.
+        acc = acc * v_scale
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -523,9 +579,12 @@ def paged_attention_triton(
     max_query_len: int | None = None,  # host-side hints; computed (one sync) when None
     max_seq_len: int | None = None,
     num_splits: int | None = None,  # None = heuristic; tests force values
+    k_scale: float = 1.0,  # fp8 caches: K = stored value * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Unified paged attention over a flat batch of prefill chunks and decodes."""
     _check_cache_pair(key_cache, value_cache)
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
     device = _check_devices(query=query, key_cache=key_cache, value_cache=value_cache,
                             block_tables=block_tables, seq_lens=seq_lens,
                             query_start_loc=query_start_loc)
@@ -536,7 +595,10 @@ def paged_attention_triton(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                          f"({num_kv_heads})")
-    if query.dtype != key_cache.dtype:
+    kv_fp8 = is_fp8(key_cache.dtype)
+    if kv_fp8 and query.dtype not in QUERY_DTYPES:
+        raise ValueError(f"query dtype must be one of {QUERY_DTYPES} over an fp8 cache, got {query.dtype}")
+    if not kv_fp8 and query.dtype != key_cache.dtype:
         raise ValueError(f"query dtype {query.dtype} != KV cache dtype {key_cache.dtype}")
     if query.stride(-1) != 1:
         raise ValueError(f"query must be contiguous in head_dim, got strides {query.stride()}")
@@ -605,7 +667,7 @@ def paged_attention_triton(
     args = (
         query, key_cache, value_cache, out, part_acc, part_max, part_sum,
         block_tables, seq_lens, query_start_loc,
-        scale * 1.4426950408889634, num_seqs, plan["tune_bucket"],
+        scale * 1.4426950408889634 * float(k_scale), float(v_scale), num_seqs, plan["tune_bucket"],
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -616,7 +678,7 @@ def paged_attention_triton(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_IN_FP32=INTERPRETED and query.dtype == torch.bfloat16,
+        DOT_IN_FP32=INTERPRETED and query.dtype == torch.bfloat16, KV_FP8=kv_fp8,
     )
     grid = (plan["num_q_tiles"], num_kv_heads, num_splits)
     if _paged_attention_kernel_tuned is None:

@@ -5,8 +5,9 @@ and the runtime (which reads and hot-reloads it). It must import without torch: 
 image does not ship it. Keys in the file are camelCase, mirroring the CRD fields; attributes
 here are snake_case. User mistakes raise `ConfigError` (a `ValueError`) naming the key.
 
-Sections: `model` and `engine` need a restart to change; `scheduler`, `lanes` and `tenants`
-are hot-reloadable (docs/architecture.md, "Contracts").
+Sections: `model` and `engine` need a restart to change (but `model.adapters`, the LoRA
+adapters, which hot-reload); `scheduler`, `lanes` and `tenants` are hot-reloadable
+(docs/architecture.md, "Contracts").
 
 `KNOBS` is the one table of budget knobs (the numeric limits of `scheduler:` and `lanes[]`):
 the lane caps, `RuntimeConfig.lane_budgets`, the metrics' `budget` label, the operator's
@@ -35,11 +36,12 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 EXECUTORS = ("model", "simulated")
 CPU_COMPUTE_DTYPES = ("auto", "model", "float32")  # engine.cpuComputeDtype (runtime/executor/cpu_dense.py)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # engine.kvCacheDtype
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # engine.kvCacheDtype
 MAX_CUDA_GRAPH_BATCH = 512  # engine.cudaGraphMaxBatch: static buffers and start-up grow with it
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9](?:[-a-z0-9._]{0,126}[a-z0-9])?$")
 
 
 class ConfigError(ValueError):
@@ -297,24 +299,76 @@ def _check_int_knobs(section: Any, knobs: tuple[Knob, ...]) -> None:
 # --------------------------------------------------------------------------- sections
 
 
+# engine.maxLoraRank's ceiling and the LoRA target modules a PEFT adapter may name (multi-LoRA,
+# docs/lora.md): the short names of the attention and MLP projections.
+MAX_LORA_RANK = 512
+DEFAULT_MAX_LORAS = 8
+DEFAULT_MAX_LORA_RANK = 64
+LORA_TARGET_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """One entry of `model.adapters:` — a PEFT LoRA adapter served next to the base model
+    under its own model name (hot-reloadable: adding or removing one needs no restart)."""
+
+    name: str  # the model name requests select it by; DNS-1123-ish
+    # A local PEFT folder (adapter_config.json + adapter_model.safetensors), or a source URI
+    # (hf://ORG/NAME[@REV], s3://BUCKET/PREFIX) fetched into model.adapterCacheDir at load time.
+    path: str
+
+    def __post_init__(self) -> None:
+        _check(bool(ADAPTER_NAME_RE.match(self.name)), "name",
+               f"{self.name!r} is not a valid adapter name (lowercase letters, digits, '-', '.', '_'; "
+               "starts and ends with a letter or digit; at most 128 characters)")
+        _check(bool(self.path.strip()), "path", "must not be empty")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """`model:` — which checkpoint to serve (restart to change)."""
+    """`model:` — which checkpoint to serve (restart to change; `adapters` hot-reload)."""
 
     path: str  # local Hugging Face checkpoint folder (config.json + safetensors + tokenizer)
     served_name: Optional[str] = None  # name in the API; default: the folder's name
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     max_model_len: Optional[int] = None  # prompt + output cap; default: the checkpoint's
     tokenizer: Optional[str] = None  # tokenizer folder if not `path`
+    # LoRA adapters served by name next to the base (multi-LoRA); unset = none. Hot-reloadable:
+    # not part of restart_fields, so adding one never restarts a pod.
+    adapters: Optional[list[AdapterConfig]] = None
+    # Where adapters given as source URIs are fetched to; unset = a folder under the system
+    # temp dir (the operator renders /model-cache/adapters when a model cache is mounted).
+    adapter_cache_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "path", "must not be empty")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _positive(self.max_model_len, "maxModelLen")
+        names = [a.name for a in self.adapters or ()]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        _check(not dupes, "adapters", f"duplicate adapter name(s) {dupes}")
+        _check(self.name not in names, "adapters",
+               f"adapter name {self.name!r} is the served model's own name; pick another")
+        if self.adapter_cache_dir is not None:
+            _check(bool(self.adapter_cache_dir.strip()), "adapterCacheDir", "must not be empty")
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return [a.name for a in self.adapters or ()]
 
     @property
     def name(self) -> str:
         return self.served_name or Path(self.path.rstrip("/")).name
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """`engine.kvOffload:` — the prefix cache's host-memory tier (docs/kv-offload.md)."""
+
+    host_bytes: int  # host memory for evicted prefix blocks (pinned on CUDA); checked at start
+
+    def __post_init__(self) -> None:
+        _positive(self.host_bytes, "hostBytes")
 
 
 @dataclass(frozen=True)
@@ -352,6 +406,22 @@ class EngineConfig:
     # Thread placement (runtime/executor/cpu_placement.py): auto | none | a CPU list such as "2-15".
     # Unset = auto; unset rather than "auto" to keep the restart hash of older configs.
     cpu_bind: Optional[str] = None
+    # The prefix cache's host-memory tier; unset = none (and older configs keep their restart hash).
+    kv_offload: Optional[KVOffloadConfig] = None
+    # Multi-LoRA (docs/lora.md): adapter slots resident at once, and the largest rank a slot
+    # holds. Unset = 8 and 64 (unset rather than defaulted to keep older configs' restart hash).
+    max_loras: Optional[int] = None
+    max_lora_rank: Optional[int] = None
+
+    @property
+    def lora_slots(self) -> int:
+        """engine.maxLoras in force: adapters resident at once (and in one step)."""
+        return DEFAULT_MAX_LORAS if self.max_loras is None else self.max_loras
+
+    @property
+    def lora_max_rank(self) -> int:
+        """engine.maxLoraRank in force: the largest adapter rank a slot holds."""
+        return DEFAULT_MAX_LORA_RANK if self.max_lora_rank is None else self.max_lora_rank
 
     def __post_init__(self) -> None:
         _check(1 <= self.block_size <= 256, "blockSize", f"must be in [1, 256], got {self.block_size}")
@@ -403,6 +473,15 @@ class EngineConfig:
                 "run on the host inside the forward pass",
             )
         _check(self.executor in EXECUTORS, "executor", f"must be one of {EXECUTORS}")
+        _check(self.max_loras is None or 1 <= self.max_loras <= 256, "maxLoras",
+               f"must be in [1, 256], got {self.max_loras}")
+        _check(self.max_lora_rank is None or 1 <= self.max_lora_rank <= MAX_LORA_RANK, "maxLoraRank",
+               f"must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        _check(
+            self.kv_offload is None or self.enable_prefix_caching,
+            "kvOffload",
+            "keeps prefix-cache blocks, so it needs enablePrefixCaching: true",
+        )
 
 
 @dataclass(frozen=True)
@@ -491,6 +570,9 @@ class LaneMatch:
     max_prompt_tokens: Optional[int] = None
     tenants: list[str] = field(default_factory=list)  # requests of these tenants go here
     headers: dict[str, str] = field(default_factory=dict)  # header name -> exact value
+    # Requests whose `model` is one of these (the base's served name or an adapter's) go here;
+    # unset = any model (kept unset so older configs render as before).
+    models: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         _positive(self.min_prompt_tokens, "minPromptTokens")
@@ -504,7 +586,8 @@ class LaneMatch:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.min_prompt_tokens or self.max_prompt_tokens or self.tenants or self.headers)
+        return not (self.min_prompt_tokens or self.max_prompt_tokens or self.tenants or self.headers
+                    or self.models)
 
 
 @dataclass(frozen=True)
@@ -580,6 +663,8 @@ class TenantConfig:
     # unset so configs that do not use it render as before).
     weight: Optional[float] = None
     tokens_per_minute: Optional[int] = None  # prompt + output tokens; over it: 429 tenant_rate_limit
+    # LoRA adapters (by name) this tenant may use; unset or empty = all. Others answer 404.
+    adapters: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         _check(bool(_NAME_RE.match(self.name)), "name", f"{self.name!r} is not a DNS-1123 label")
@@ -608,6 +693,10 @@ class LaneBudgets:
     queue_timeout_ms: int
     max_kv_cache_share: float
     kv_cache_reserved: float
+
+
+# Keys of `model:` a hot reload applies (adapters load and unload without a restart).
+HOT_MODEL_KEYS = ("adapters",)
 
 
 @dataclass(frozen=True)
@@ -660,6 +749,12 @@ class RuntimeConfig:
                     f"lanes[{i}].match.tenants",
                     f"unknown tenant {tenant!r}",
                 )
+        # Adapter names in tenants[].adapters and lanes[].match.models are not checked against
+        # model.adapters: adapters loaded at runtime (POST /v1/load_lora_adapter) may be named.
+        for i, tenant in enumerate(self.tenants):
+            for name in tenant.adapters or ():
+                _check(bool(ADAPTER_NAME_RE.match(name)), f"tenants[{i}].adapters",
+                       f"{name!r} is not a valid adapter name")
 
     # ---- derived views
 
@@ -700,7 +795,8 @@ class RuntimeConfig:
     def restart_fields(self) -> dict[str, Any]:
         """The fields that only take effect on a restart (model and engine sections)."""
         out = self.to_dict()
-        return {"model": out["model"], "engine": out.get("engine", {})}
+        model = {k: v for k, v in out["model"].items() if k not in HOT_MODEL_KEYS}
+        return {"model": model, "engine": out.get("engine", {})}
 
     def restart_hash(self) -> str:
         """Hash of the restart-only fields: the operator puts it on the pod template."""

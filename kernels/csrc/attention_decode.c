@@ -27,7 +27,7 @@ typedef struct {
     const float *q;           /* [T, Hq, D] */
     int64_t q_tok, q_head;    /* strides of q in elements (the D axis is contiguous) */
     const void *k, *v;        /* [num_blocks, block_size, Hkv, D] each, same strides */
-    int dtype;                /* TL_FLOAT32 | TL_BFLOAT16 | TL_FLOAT16 */
+    int dtype;                /* TL_FLOAT32 | TL_BFLOAT16 | TL_FLOAT16 | TL_FP8_E4M3 | TL_FP8_E5M2 */
     int64_t c_block, c_tok, c_head;
     const int32_t *tables;    /* [S, max_blocks] */
     int64_t table_stride;
@@ -57,6 +57,12 @@ static inline const float *tl_row(const void *cache, int dtype, int64_t offset, 
             memcpy(&f, &bits, sizeof f);
             buf[i] = f;
         }
+        return buf;
+    }
+    if (tl_is_fp8(dtype)) {
+        const uint8_t *src = (const uint8_t *)cache + offset;
+        for (int i = 0; i < d; ++i)
+            buf[i] = tl_from_fp8(dtype, src[i]);
         return buf;
     }
 #ifdef __FLT16_MAX__
@@ -157,6 +163,8 @@ static inline tl_v8 tl_load8(const void *cache, int dtype, int64_t offset) {
         memcpy(&h, (const uint16_t *)cache + offset, sizeof h);
         tl_u32x8 w = __builtin_convertvector(h, tl_u32x8) << 16;
         memcpy(&x, &w, sizeof x);
+    } else if (tl_is_fp8(dtype)) {
+        x = tl_fp8x8((const uint8_t *)cache + offset, dtype);
     } else {
 #ifdef __FLT16_MAX__
         typedef _Float16 tl_h8 __attribute__((vector_size(16)));
@@ -206,7 +214,7 @@ static inline float tl_hsum8(tl_v8 x) {
  * of side effects and deletes its calls. */
 static inline __attribute__((always_inline)) void tl_prefetch_span(const void *cache, int dtype,
                                                                    int64_t offset, int64_t count) {
-    const int64_t size = dtype == TL_FLOAT32 ? 4 : 2;
+    const int64_t size = tl_dtype_size(dtype);
     const char *start = (const char *)cache + offset * size;
     for (int64_t byte = 0; byte < count * size; byte += 64)
         __builtin_prefetch(start + byte, 0, 1);
@@ -419,8 +427,10 @@ int tl_paged_decode_attention(
     int hq, int hkv, int d, int block_size, int max_len, float scale,
     float *out, int64_t o_tok, int64_t o_head, int num_threads, int pool, int64_t q_rows,
     int64_t table_rows, int64_t num_blocks) {
-    if (!tl_cache_dtype_ok(dtype))
+    if (!tl_attention_dtype_ok(dtype))
         return TL_BAD_DTYPE;
+    if (tl_is_fp8(dtype))
+        tl_fp8_tables();
     if (n < 0 || hkv <= 0 || hq % hkv || hq / hkv > TL_MAX_GROUP || d <= 0 || block_size <= 0
         || max_len <= 0)
         return TL_BAD_SHAPE;
@@ -453,3 +463,7 @@ int tl_paged_decode_attention(
     free(scratch);
     return TL_OK;
 }
+
+
+/* Whether the attention kernels (decode and prefill) read caches of this dtype code. */
+int tl_attention_reads_dtype(int dtype) { return tl_attention_dtype_ok(dtype); }

@@ -32,6 +32,8 @@ static inline float tl_elem(const void *cache, int dtype, int64_t offset) {
         return ((const float *)cache)[offset];
     if (dtype == TL_BFLOAT16)
         return tl_from_bf16(((const uint16_t *)cache)[offset]);
+    if (tl_is_fp8(dtype))
+        return tl_from_fp8(dtype, ((const uint8_t *)cache)[offset]);
 #ifdef __FLT16_MAX__
     return (float)((const _Float16 *)cache)[offset];
 #else
@@ -216,8 +218,10 @@ int tl_paged_prefill_attention(
     int n, int hq, int hkv, int d, int block_size, float scale,
     float *out, int64_t o_tok, int64_t o_head, int num_threads, int pool, int64_t q_rows,
     int64_t table_rows, int64_t num_blocks) {
-    if (!tl_cache_dtype_ok(dtype))
+    if (!tl_attention_dtype_ok(dtype))
         return TL_BAD_DTYPE;
+    if (tl_is_fp8(dtype))
+        tl_fp8_tables();
     if (n < 0 || hkv <= 0 || hq % hkv || !tl_prefill_supported(d, hq / hkv) || block_size <= 0)
         return TL_BAD_SHAPE;
     for (int i = 0; i < n; ++i)

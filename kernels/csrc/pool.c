@@ -2,6 +2,39 @@
  * engine.cpuBind): the threads every kernel of this library shares its work items out to. */
 #include "tl_common.h"
 
+/* ------------------------------------------------------------------ fp8 -> float32 tables */
+
+float tl_fp8_lut[2][256];
+static pthread_once_t tl_fp8_once = PTHREAD_ONCE_INIT;
+
+/* Bits of the float32 of each byte: sign, then exponent and mantissa rebiased (normal
+ * numbers), subnormals as mantissa * 2^(1 - bias - mantissa bits), and the formats' specials
+ * (e4m3fn: S.1111.111 is NaN, no infinity; e5m2: exponent 31 is inf / NaN as IEEE). */
+static void tl_fp8_build(void) {
+    for (int f = 0; f < 2; ++f) {
+        const int mbits = f == 0 ? 3 : 2, bias = f == 0 ? 7 : 15, emax = f == 0 ? 15 : 31;
+        for (int b = 0; b < 256; ++b) {
+            const int e = (b & 0x7f) >> mbits, m = b & ((1 << mbits) - 1);
+            float x;
+            if (e == 0) {
+                x = (float)m;
+                for (int i = 0; i < bias - 1 + mbits; ++i)
+                    x *= 0.5f; /* exact: powers of two */
+            } else if (f == 0 && e == emax && m == (1 << mbits) - 1) {
+                x = __builtin_nanf("");
+            } else if (f == 1 && e == emax) {
+                x = m ? __builtin_nanf("") : __builtin_inff();
+            } else {
+                const uint32_t bits = (uint32_t)(e - bias + 127) << 23 | (uint32_t)m << (23 - mbits);
+                memcpy(&x, &bits, sizeof x);
+            }
+            tl_fp8_lut[f][b] = b & 0x80 ? -x : x;
+        }
+    }
+}
+
+void tl_fp8_tables(void) { pthread_once(&tl_fp8_once, tl_fp8_build); }
+
 /* ------------------------------------------------------------------ the helper pool
  *
  * In a pool step (a decode step whose every product is a panel product, torch on one thread:

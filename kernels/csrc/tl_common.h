@@ -30,11 +30,14 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h> /* tl_fp8x8 */
+#endif
 
 /* Shared between the library's files, not exported. */
 #define TL_INTERNAL __attribute__((visibility("hidden")))
 
-enum { TL_FLOAT32 = 0, TL_BFLOAT16 = 1, TL_FLOAT16 = 2 };
+enum { TL_FLOAT32 = 0, TL_BFLOAT16 = 1, TL_FLOAT16 = 2, TL_FP8_E4M3 = 3, TL_FP8_E5M2 = 4 };
 enum { TL_OK = 0, TL_BAD_DTYPE = 1, TL_NO_MEMORY = 2, TL_BAD_SHAPE = 3, TL_NAN = 4 };
 
 #define TL_MAX_GROUP 64  /* query heads per KV head */
@@ -112,6 +115,91 @@ static inline int tl_cache_dtype_ok(int dtype) {
     return 0;
 #endif
 }
+
+/* fp8 caches (float8_e4m3fn, float8_e5m2; read by the attention kernels only, their scales
+ * applied by the caller): every byte's float32 value, one 256-entry table per format ([0]:
+ * e4m3, [1]: e5m2), filled by tl_fp8_tables() (pool.c) before a kernel reads them. */
+TL_INTERNAL extern float tl_fp8_lut[2][256];
+TL_INTERNAL void tl_fp8_tables(void);
+
+static inline int tl_is_fp8(int dtype) { return dtype == TL_FP8_E4M3 || dtype == TL_FP8_E5M2; }
+
+static inline float tl_from_fp8(int dtype, uint8_t b) { return tl_fp8_lut[dtype - TL_FP8_E4M3][b]; }
+
+/* 8 fp8 bytes widened to float32 in registers (the table's values, without its 8 loads). With
+ * F16C (or the compiler's _Float16 elsewhere): e5m2 is the high byte of an fp16, and e4m3 with its
+ * bits moved into fp16's place is its value / 2^8 (subnormals included), so one fp16 -> float32
+ * conversion does it; e4m3fn's NaN (exponent and mantissa all ones) is the one special to mend.
+ * Elsewhere: a normal number's exponent and mantissa bits move up into float32's place and the
+ * exponent is rebiased by one add, a subnormal is its mantissa times 2^(1 - bias - M), and
+ * exponent all ones is e4m3fn's NaN or e5m2's inf / NaN. */
+static inline tl_v8 tl_fp8x8(const uint8_t *src, int dtype) {
+    const int e4m3 = dtype == TL_FP8_E4M3;
+#if defined(__AVX2__) && defined(__F16C__)
+    /* The same fp16 route in SSE/AVX intrinsics: GCC widens an 8-byte vector lane by lane. */
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)src));
+    __m128i bits16;
+    if (!e4m3) {
+        bits16 = _mm_slli_epi16(w, 8);
+    } else {
+        const __m128i em = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+        const __m128i nan = _mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f));
+        bits16 = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                           _mm_slli_epi16(em, 7)), nan);
+    }
+    const __m256 f = _mm256_cvtph_ps(bits16);
+    tl_v8 x;
+    memcpy(&x, &f, sizeof x);
+    return e4m3 ? x * 256.0f : x;
+#else
+    typedef uint8_t tl_u8x8 __attribute__((vector_size(8)));
+    tl_u8x8 raw;
+    memcpy(&raw, src, sizeof raw);
+#ifdef __FLT16_MAX__
+    typedef uint16_t tl_h8u __attribute__((vector_size(16)));
+    typedef _Float16 tl_h8f __attribute__((vector_size(16)));
+    const tl_h8u w = __builtin_convertvector(raw, tl_h8u);
+    if (!e4m3) {
+        const tl_h8u bits16 = w << 8;
+        tl_h8f h;
+        memcpy(&h, &bits16, sizeof h);
+        return __builtin_convertvector(h, tl_v8);
+    }
+    const tl_h8u em = w & 0x7f;
+    const tl_h8u nan = (tl_h8u)(em == 0x7f); /* all ones where NaN: fp16 0xffff is a NaN too */
+    const tl_h8u bits16 = ((w & 0x80) << 8) | (em << 7) | nan;
+    tl_h8f h;
+    memcpy(&h, &bits16, sizeof h);
+    return __builtin_convertvector(h, tl_v8) * 256.0f;
+#else
+    const tl_i8 b = __builtin_convertvector(raw, tl_i8);
+    const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    const tl_i8 em = b & 0x7f, sign = (b & 0x80) << 24;
+    const tl_i8 normal_bits = (em << (23 - mbits)) + ((127 - bias) << 23);
+    tl_v8 normal, x;
+    memcpy(&normal, &normal_bits, sizeof normal);
+    const tl_v8 sub = __builtin_convertvector(em, tl_v8) * (e4m3 ? 0x1p-9f : 0x1p-16f);
+    x = tl_select(em < (1 << mbits), sub, normal);
+    if (e4m3) {
+        x = tl_select(em == 0x7f, tl_splat(__builtin_nanf("")), x);
+    } else {
+        const tl_i8 special = em >= (31 << 2);
+        x = tl_select(special, tl_select(em == (31 << 2), tl_splat(__builtin_inff()), tl_splat(__builtin_nanf(""))), x);
+    }
+    tl_i8 bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits |= sign;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+#endif /* __FLT16_MAX__ */
+#endif /* AVX2 + F16C */
+}
+
+/* Bytes of one cache element. */
+static inline int64_t tl_dtype_size(int dtype) { return dtype == TL_FLOAT32 ? 4 : tl_is_fp8(dtype) ? 1 : 2; }
+
+/* Whether the attention kernels of this build read caches of `dtype`: the write's dtypes and fp8. */
+static inline int tl_attention_dtype_ok(int dtype) { return tl_is_fp8(dtype) || tl_cache_dtype_ok(dtype); }
 
 /* Whether block-table row `seq` exists and covers `len` tokens with blocks of the cache: every
  * index a kernel will follow is checked before any is, so a bad table fails the call instead

@@ -120,10 +120,14 @@ def _check_model_service_rules(spec: dict) -> None:
     """The CEL rules of the ModelService CRD, in Python (the runtime config checks the budgets too)."""
     model = spec["model"]
     source = model.get("source") or {}
-    _check(sum(k in source for k in ("pvc", "hostPath", "tinyModel")) <= 1,
-           "spec.model.source: set at most one of pvc, hostPath, tinyModel")
+    _check(sum(k in source for k in ("pvc", "hostPath", "tinyModel", "huggingFace", "s3")) <= 1,
+           "spec.model.source: set at most one of pvc, hostPath, tinyModel, huggingFace, s3")
     _check(not source or model["path"].startswith("/models/"),
            "spec.model.path: with a source, path must lie under /models/ (where the source is mounted)")
+    cache = model.get("cache") or {}
+    _check(not ("pvc" in cache and "nodeLocal" in cache), "spec.model.cache: set at most one of pvc, nodeLocal")
+    _check("cache" not in model or "huggingFace" in source or "s3" in source,
+           "spec.model.cache: cache needs a huggingFace or s3 source (the other sources download nothing)")
     sched = spec["scheduler"]
     _check(sched["kvCacheHighWatermark"] < sched["kvCacheRejectWatermark"] <= 1.0,
            "spec.scheduler: kvCacheHighWatermark must be < kvCacheRejectWatermark <= 1")

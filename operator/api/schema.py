@@ -22,6 +22,7 @@ import yaml
 
 from tokenlane.runtime.config import LANE_KNOBS, SCHEDULER_KNOBS, TUNED_KNOBS, Knob, LaneConfig, SchedulerConfig, _camel
 from tokenlane.runtime.config import DEFAULT_MAX_REFUSED_SHARE
+from tokenlane.runtime.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, MAX_LORA_RANK
 
 GROUP = "tokenlane.dev"
 VERSION = "v1alpha1"
@@ -30,6 +31,12 @@ DEFAULT_IMAGE = "ghcr.io/tokenlane/tokenlane:0.1.0"
 
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Model sources (spec.model.source): what `tokenlane fetch-model` accepts.
+HF_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
+URL_PATTERN = r"^https?://[^\s]+$"
+HF_TOKEN_DEFAULT_KEY = "HF_TOKEN"  # the key of spec.model.source.huggingFace.tokenSecretRef
 
 
 # --------------------------------------------------------------------------- helpers
@@ -166,6 +173,14 @@ def _conditions() -> dict:
     }
 
 
+def _secret_key_ref(desc: str, default_key: str) -> dict:
+    return _obj(desc, {
+        "name": _str("Secret name.", pattern=DNS_SUBDOMAIN_PATTERN, max_length=253),
+        "key": _str(f"Key in the Secret; default {default_key}.", default=default_key, min_length=1,
+                    max_length=253),
+    }, required=["name"])
+
+
 def _free_object(desc: str) -> dict:
     return {"type": "object", "description": desc, "x-kubernetes-preserve-unknown-fields": True}
 
@@ -240,14 +255,66 @@ def model_service_spec() -> dict:
                                       "(demos and CI; no download).", {
                         "arch": _str("Architecture of the tiny model.", default="llama", enum=["llama", "qwen2"]),
                     }),
+                    "huggingFace": _obj(
+                        "Download a Hugging Face Hub repository into `path` at pod start (an init container "
+                        "running `tokenlane fetch-model`); with `cache`, once per revision for every replica.", {
+                            "repo": _str("Repository id, ORG/NAME.", pattern=HF_REPO_PATTERN, max_length=200,
+                                         min_length=3),
+                            "revision": _str("Branch, tag or commit.", default="main", pattern=r"^[^\s]+$",
+                                             max_length=255),
+                            "tokenSecretRef": _secret_key_ref(
+                                "A Secret in the ModelService's namespace holding an access token (HF_TOKEN), for "
+                                "private or gated repositories. Only referenced: the operator never reads it.",
+                                HF_TOKEN_DEFAULT_KEY),
+                            "allowPatterns": {"type": "array", "maxItems": 64,
+                                              "description": "Download only the files matching these globs "
+                                                             "(e.g. *.safetensors, *.json); default: every file.",
+                                              "items": {"type": "string", "minLength": 1, "maxLength": 256}},
+                            "endpoint": _str("Hub endpoint (HF_ENDPOINT), for mirrors and proxies; default: "
+                                             "https://huggingface.co.", pattern=URL_PATTERN, max_length=1024),
+                        }, required=["repo"]),
+                    "s3": _obj(
+                        "Download the objects under an S3 prefix into `path` at pod start (an init container "
+                        "running `tokenlane fetch-model`); with `cache`, once for every replica.", {
+                            "uri": _str("s3://BUCKET/PREFIX of the checkpoint's files.", pattern=S3_URI_PATTERN,
+                                        max_length=1024),
+                            "endpoint": _str("Endpoint of an S3-compatible store (MinIO, Ceph, R2); default: AWS.",
+                                             pattern=URL_PATTERN, max_length=1024),
+                            "region": _str("Region of the bucket (AWS_REGION).", max_length=64),
+                            "credentialsSecretRef": _obj(
+                                "A Secret in the ModelService's namespace with the keys AWS_ACCESS_KEY_ID, "
+                                "AWS_SECRET_ACCESS_KEY and optionally AWS_SESSION_TOKEN. Only referenced: the "
+                                "operator never reads it. Unset: the pod's own credentials, if any.", {
+                                    "name": _str("Secret name.", pattern=DNS_SUBDOMAIN_PATTERN, max_length=253),
+                                }, required=["name"]),
+                        }, required=["uri"]),
                 },
-                rules=[("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.tinyModel) ? 1 : 0) <= 1",
-                        "set at most one of pvc, hostPath, tinyModel")],
+                rules=[("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.tinyModel) ? 1 : 0)"
+                        " + (has(self.huggingFace) ? 1 : 0) + (has(self.s3) ? 1 : 0) <= 1",
+                        "set at most one of pvc, hostPath, tinyModel, huggingFace, s3")],
+            ),
+            "cache": _obj(
+                "Where huggingFace and s3 sources keep downloaded checkpoints, shared by the replicas: a "
+                "revision is downloaded once and later pods start from the cache. At most one of pvc, "
+                "nodeLocal. Unset: every pod downloads into its own emptyDir.",
+                {
+                    "pvc": _obj("A ReadWriteMany PersistentVolumeClaim (created by you) shared by every replica.", {
+                        "claimName": _str("Name of the claim in the ModelService's namespace.", max_length=253,
+                                          min_length=1),
+                    }, required=["claimName"]),
+                    "nodeLocal": _obj("A node folder (hostPath) shared by the replicas on the same node; it must "
+                                      "be writable by the runtime's user (uid 10001).", {
+                        "path": _str("Absolute node path.", pattern=r"^/", max_length=1024),
+                    }, required=["path"]),
+                },
+                rules=[("!(has(self.pvc) && has(self.nodeLocal))", "set at most one of pvc, nodeLocal")],
             ),
         },
         required=["path"],
         rules=[("!has(self.source) || self.path.startsWith('/models/')",
-                "with a source, path must lie under /models/ (where the source is mounted)")],
+                "with a source, path must lie under /models/ (where the source is mounted)"),
+               ("!has(self.cache) || (has(self.source) && (has(self.source.huggingFace) || has(self.source.s3)))",
+                "cache needs a huggingFace or s3 source (the other sources download nothing)")],
     )
     engine = _obj(
         "Memory layout and execution mode of the runtime (changing these restarts the pods).",
@@ -267,8 +334,11 @@ def model_service_spec() -> dict:
                                     "keeps the model dtype.", default="auto", enum=["auto", "model", "float32"]),
             "kvCacheDtype": _str("Dtype of the KV cache: auto = the model dtype; bfloat16 or float16 halve a "
                                  "float32 model's KV memory (twice the blocks) and the bytes decode "
-                                 "attention reads, at bf16/fp16 rounding of keys and values.",
-                                 default="auto", enum=["auto", "float32", "bfloat16", "float16"]),
+                                 "attention reads, at bf16/fp16 rounding of keys and values; fp8_e4m3 or "
+                                 "fp8_e5m2 store one byte per value (twice bf16's blocks) with per-layer "
+                                 "scales from the checkpoint (k_scale/v_scale) or calibrated at start.",
+                                 default="auto",
+                                 enum=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]),
             "attentionBackend": _str("auto = Triton on CUDA; on the CPU the C decode kernel (native) when a C "
                                      "compiler is present, else torch.", default="auto",
                                      enum=["auto", "torch", "triton", "native"]),
@@ -292,9 +362,22 @@ def model_service_spec() -> dict:
                             "a CPU list such as 2-15 or 0,2,4-7 pins compute thread i to the i-th CPU "
                             "listed and leaves the other CPUs to the server.",
                             pattern=r"^(auto|none|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*)$", max_length=1024),
+            "maxLoras": _int(f"LoRA adapters resident in device slots at once (and in one step); others wait for "
+                             f"a slot. Unset: {DEFAULT_MAX_LORAS}.", minimum=1, maximum=256, fmt="int32"),
+            "maxLoraRank": _int(f"Largest LoRA rank a slot holds; a higher-rank adapter is refused. Unset: "
+                                f"{DEFAULT_MAX_LORA_RANK}.", minimum=1, maximum=MAX_LORA_RANK, fmt="int32"),
+            "kvOffload": _obj("A host-memory tier for the prefix cache: cached blocks evicted from the device "
+                              "pool are copied to (pinned) host memory and copied back on a later prefix hit "
+                              "instead of being recomputed. Unset: no tier.", {
+                "hostBytes": _int("Host memory for the tier in bytes (e.g. 8589934592 = 8 GiB); refused at "
+                                  "start if more than the node's available memory. Count it in the pod's "
+                                  "memory limit.", minimum=1),
+            }, required=["hostBytes"]),
         },
         defaulted=True,
-        rules=[("self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256]", "blockSize must be a power of two")],
+        rules=[("self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256]", "blockSize must be a power of two"),
+               ("!has(self.kvOffload) || !has(self.enablePrefixCaching) || self.enablePrefixCaching",
+                "kvOffload keeps prefix-cache blocks, so it needs enablePrefixCaching: true")],
     )
     tenants = {
         "type": "array",
@@ -312,6 +395,9 @@ def model_service_spec() -> dict:
                            "unset = 1.", minimum=0, maximum=1000, exclusive_minimum=True),
             "tokensPerMinute": _int("Token-rate limit, prompt + output tokens per minute; over it requests get 429 "
                                     "tenant_rate_limit with Retry-After. Unset = unlimited.", minimum=1),
+            "adapters": {"type": "array", "description": "Allowed LoRA adapters (names of spec.adapters); others "
+                                                         "get 404 model_not_found. Empty = all.", "maxItems": 64,
+                         "items": {"type": "string", "maxLength": 63}},
         }, required=["name"]),
     }
     return _obj(
@@ -354,6 +440,7 @@ def model_service_spec() -> dict:
                          minimum=1, maximum=65535, fmt="int32"),
             "logLevel": _str("Runtime log level.", default="info", enum=["debug", "info", "warning", "error"]),
             "tenants": tenants,
+            "adapters": _adapters(),
             "disruptionBudget": _obj("PodDisruptionBudget of the runtime pods.", {
                 "enabled": _bool("Create a PodDisruptionBudget.", default=True),
                 "maxUnavailable": {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
@@ -406,8 +493,20 @@ def model_service_spec() -> dict:
             ),
             "autoscaling": _autoscaling(),
             "router": _router(),
+            "gateway": _gateway(),
         },
         required=["model"],
+        rules=[
+            # An adapter is asked for by name in `model`: it must not shadow the base model.
+            ("!has(self.adapters) || self.adapters.all(a, has(self.model.servedName) ? a.name != self.model.servedName"
+             " : !(self.model.path == a.name || self.model.path.endsWith('/' + a.name)"
+             " || self.model.path.endsWith('/' + a.name + '/')))",
+             "adapters[].name must differ from the served model name (model.servedName, default the folder's name)"),
+            # Scale from zero: only the router can hold the requests that arrive while no pod runs.
+            ("!has(self.autoscaling) || !self.autoscaling.enabled || self.autoscaling.minReplicas > 0 "
+             "|| (has(self.router) && self.router.enabled)",
+             "autoscaling.minReplicas 0 needs router.enabled (the router holds requests while no pod runs)"),
+        ],
     )
 
 
@@ -437,8 +536,11 @@ def _autoscaling() -> dict:
         {
             "enabled": _bool("Let the operator size the shared pool.", default=False),
             "prometheusUrl": _str("Base URL of the Prometheus HTTP API.", pattern=r"^https?://", max_length=1024),
-            "minReplicas": _int("Fewest pods (at least 1: no scale from zero).", default=1, minimum=1, maximum=1000,
+            "minReplicas": _int("Fewest pods. 0: scale to zero when idle (needs spec.router.enabled, which holds "
+                                "the requests that wake the pool).", default=1, minimum=0, maximum=1000,
                                 fmt="int32"),
+            "scaleToZeroAfter": _duration("With minReplicas 0: how long the pool must see no request (none "
+                                          "arriving, running or held) before it scales to zero.", "15m"),
             "maxReplicas": _int("Most pods.", minimum=1, maximum=1000, fmt="int32"),
             "interval": _duration("How often the operator decides.", "30s"),
             "window": _duration("Range of the PromQL rate/quantile queries.", "2m"),
@@ -463,6 +565,85 @@ def _autoscaling() -> dict:
             ("!self.enabled || has(self.prometheusUrl)", "autoscaling.enabled needs autoscaling.prometheusUrl"),
         ],
     )
+
+
+ADAPTER_NAME_PATTERN = DNS_LABEL_PATTERN  # a model name in the API and a metric label value
+
+
+def _adapters() -> dict:
+    """spec.adapters: LoRA adapters served over the base model (docs/operations.md#lora-adapters)."""
+    source = _obj(
+        "Where the adapter (a PEFT folder: adapter_config.json and adapter_model.safetensors) comes from; "
+        "exactly one. pvc and hostPath are mounted read-only under /adapters; huggingFace and s3 are fetched "
+        "by the runtime when it loads the adapter, into /model-cache/adapters when spec.model.cache is set.",
+        {
+            "pvc": _obj("A folder in a PersistentVolumeClaim. Each claim is mounted once, read-only, at "
+                        "/adapters/pvc-<claimName>: adapters added on a claim already mounted need no restart.", {
+                "claimName": _str("Name of the claim in the ModelService's namespace.", pattern=DNS_SUBDOMAIN_PATTERN,
+                                  max_length=253, min_length=1),
+                "path": _str("The adapter's folder inside the volume; default: its root.", pattern=r"^[^/]",
+                             max_length=1024),
+            }, required=["claimName"],
+                rules=[("!has(self.path) || !(self.path == '..' || self.path.startsWith('../') "
+                        "|| self.path.contains('/../') || self.path.endsWith('/..'))",
+                        "path must stay inside the volume (no '..')")]),
+            "hostPath": _obj("A node folder, mounted read-only at /adapters/host-<hash of the path> (single-node "
+                             "and dev clusters; a new folder adds a volume, so the pods roll once).", {
+                "path": _str("Absolute node path of the adapter's folder.", pattern=r"^/", max_length=1024),
+            }, required=["path"]),
+            "huggingFace": _obj("A Hugging Face Hub repository, fetched by the runtime with the pod's Hub "
+                                "credentials (those of spec.model.source.huggingFace, if any).", {
+                "repo": _str("Repository id, ORG/NAME.", pattern=HF_REPO_PATTERN, max_length=200, min_length=3),
+                "revision": _str("Branch, tag or commit.", default="main", pattern=r"^[^\s@]+$", max_length=255),
+            }, required=["repo"]),
+            "s3": _obj("The objects under an S3 prefix, fetched by the runtime with the pod's S3 credentials, "
+                       "endpoint and region (those of spec.model.source.s3, if any).", {
+                "uri": _str("s3://BUCKET/PREFIX of the adapter's files.", pattern=S3_URI_PATTERN, max_length=1024),
+            }, required=["uri"]),
+        },
+        rules=[("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.huggingFace) ? 1 : 0)"
+                " + (has(self.s3) ? 1 : 0) == 1", "set exactly one of pvc, hostPath, huggingFace, s3")],
+    )
+    return {
+        "type": "array",
+        "description": "LoRA adapters served over the base model, each asked for by its name in a request's "
+                       "`model`. Adding or removing one reloads the runtime's config without a restart "
+                       "(docs/operations.md#lora-adapters).",
+        "maxItems": 64,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+        "items": _obj("One adapter.", {
+            "name": _str("Adapter name: the `model` of its requests (a DNS label).", pattern=ADAPTER_NAME_PATTERN,
+                         max_length=63, min_length=1),
+            "source": source,
+        }, required=["name", "source"]),
+    }
+
+
+def _gateway() -> dict:
+    """spec.gateway: the Gateway API Inference Extension (docs/fleet.md#inferencepool-behind-a-gateway)."""
+    picker = _obj("The endpoint picker (EPP) Service the gateway asks which pod serves each request.", {
+        "service": _str("Name of the endpoint picker's Service in the ModelService's namespace.",
+                        pattern=DNS_LABEL_PATTERN, max_length=63, min_length=1),
+        "port": _int("Port of the endpoint picker's ext-proc (gRPC) service.", default=9002, minimum=1,
+                     maximum=65535, fmt="int32"),
+        "failureMode": _str("What the gateway does when the picker is unreachable: FailOpen sends the request "
+                            "to a pod of the pool anyway, FailClose refuses it.", default="FailClose",
+                            enum=["FailOpen", "FailClose"]),
+    }, required=["service"])
+    return _obj("Gateway API integration.", {
+        "inferencePool": _obj(
+            "An InferencePool (inference.networking.k8s.io/v1) named as the ModelService, selecting the shared "
+            "pool's pods on the API port, for a Gateway API Inference Extension gateway (HTTPRoute backendRef) "
+            "and its endpoint picker. Needs the InferencePool CRD installed; spec.router keeps working beside it.",
+            {
+                "enabled": _bool("Render the InferencePool.", default=False),
+                "endpointPicker": picker,
+            },
+            rules=[("!self.enabled || has(self.endpointPicker)",
+                    "inferencePool.enabled needs inferencePool.endpointPicker")],
+        ),
+    })
 
 
 def _router() -> dict:
@@ -507,7 +688,8 @@ def model_service_status() -> dict:
         "autoscaling": _obj("The autoscaler's last decision (written when it changes).", {
             "currentReplicas": _int("Replicas of the shared pool's Deployment when it decided.", minimum=0, fmt="int32"),
             "desiredReplicas": _int("Replicas it decided on.", minimum=0, fmt="int32"),
-            "reason": _str("ScaledUp, ScaledDown, Holding, MetricsUnavailable or Disabled.", max_length=64),
+            "reason": _str("ScaledUp, ScaledDown, Holding, MetricsUnavailable, ScaledFromZero, ScaledToZero or "
+                           "Disabled.", max_length=64),
             "message": _str("Why, with the numbers of the decision that last changed this status.", max_length=4096),
             "lastScaleTime": {"type": "string", "format": "date-time", "description": "When it last changed replicas."},
         }),
@@ -562,6 +744,9 @@ def serving_lane_spec() -> dict:
                     "maxPromptTokens": _int("Prompts at most this long go here.", minimum=1),
                     "tenants": {"type": "array", "description": "Requests of these tenants go here.", "maxItems": 64,
                                 "items": {"type": "string", "maxLength": 63}},
+                    "models": {"type": "array", "description": "Requests whose `model` is one of these (the served "
+                                                               "model's name or a LoRA adapter's) go here.",
+                               "maxItems": 64, "items": {"type": "string", "maxLength": 253}},
                     "headers": _string_map("Header name -> exact value.", max_props=16),
                 },
                 rules=[("!has(self.minPromptTokens) || !has(self.maxPromptTokens) || self.minPromptTokens <= self.maxPromptTokens",

@@ -11,6 +11,7 @@ one the API server stored. Durations are parsed once, with the CRD's grammar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any, Mapping, Optional
 
 from tokenlane.operator.api import schema as crd_schema
@@ -165,10 +166,17 @@ class AutoscalingSpec:
     headroom_replicas: Optional[float] = None
     target_utilization: Optional[float] = None
     lanes: tuple[AutoscalingLaneSpec, ...] = ()
+    scale_to_zero_after_s: float = 900.0  # used only with min_replicas 0
 
     @classmethod
-    def from_spec(cls, raw: Any) -> "AutoscalingSpec":
+    def from_spec(cls, raw: Any, router: Any = None) -> "AutoscalingSpec":
+        """`router`: spec.router, when known; minReplicas 0 needs it enabled (the CRD's CEL rule,
+        checked again here for API servers and offline paths that skip CEL)."""
         a = _defaulted(_MODEL_SERVICE_SPEC, "autoscaling", raw, "spec.autoscaling")
+        if (router is not None and a["enabled"] and a["minReplicas"] == 0
+                and not (router or {}).get("enabled")):
+            raise ValueError("spec.autoscaling.minReplicas: 0 (scale to zero) needs spec.router.enabled: true, "
+                             "the router holds the requests that arrive while no pod runs")
         return cls(
             enabled=bool(a["enabled"]),
             prometheus_url=a.get("prometheusUrl") or None,
@@ -186,18 +194,229 @@ class AutoscalingSpec:
             target_utilization=a.get("targetUtilization"),
             lanes=tuple(AutoscalingLaneSpec(t["lane"], t.get("queueDelayP95Ms"), t.get("sloAttainmentPercent"))
                         for t in a.get("lanes") or ()),
+            scale_to_zero_after_s=parse_duration(a["scaleToZeroAfter"], "spec.autoscaling.scaleToZeroAfter"),
         )
 
 
 @dataclass(frozen=True)
+class SecretKeyRef:
+    """A key of a Secret in the object's namespace (only referenced, never read)."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class HuggingFaceSource:
+    """spec.model.source.huggingFace."""
+
+    repo: str
+    revision: str
+    token: Optional[SecretKeyRef] = None
+    allow_patterns: tuple[str, ...] = ()
+    endpoint: Optional[str] = None
+
+    @property
+    def uri(self) -> str:
+        """The SOURCE argument of `tokenlane fetch-model`."""
+        return f"hf://{self.repo}"
+
+
+@dataclass(frozen=True)
+class S3Source:
+    """spec.model.source.s3."""
+
+    uri: str
+    endpoint: Optional[str] = None
+    region: Optional[str] = None
+    credentials_secret: Optional[str] = None  # Secret name with the AWS_* keys
+
+
+class ModelCacheKind(StrEnum):
+    PVC = "pvc"
+    NODE_LOCAL = "nodeLocal"
+
+
+@dataclass(frozen=True)
+class ModelCacheSpec:
+    """spec.model.cache: `claim_name` for pvc, `path` (a node folder) for nodeLocal."""
+
+    kind: ModelCacheKind
+    claim_name: Optional[str] = None
+    path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ModelSourceSpec:
+    """spec.model.source and spec.model.cache: where the weights come from. `fetched` is the
+    source an init container downloads (huggingFace or s3), None for the others."""
+
+    kind: Optional[str]  # pvc, hostPath, tinyModel, huggingFace, s3; None = in the image
+    fetched: Optional[Any] = None  # HuggingFaceSource | S3Source
+    cache: Optional[ModelCacheSpec] = None
+
+    @property
+    def description(self) -> str:
+        """What `tokenlane fetch-model` is asked for, as users read it (hf://org/name@rev, s3://...)."""
+        if isinstance(self.fetched, HuggingFaceSource):
+            return f"{self.fetched.uri}@{self.fetched.revision}"
+        if isinstance(self.fetched, S3Source):
+            return self.fetched.uri
+        return ""
+
+    @classmethod
+    def from_spec(cls, raw_model: Any) -> "ModelSourceSpec":
+        model = _defaulted(_MODEL_SERVICE_SPEC, "model", raw_model, "spec.model")
+        source, cache_raw = model.get("source") or {}, model.get("cache")
+        kinds = [k for k in ("pvc", "hostPath", "tinyModel", "huggingFace", "s3") if k in source]
+        if len(kinds) > 1:
+            raise ValueError(f"spec.model.source: set at most one of pvc, hostPath, tinyModel, huggingFace, s3 "
+                             f"(got {', '.join(kinds)})")
+        kind = kinds[0] if kinds else None
+        fetched: Any = None
+        if kind == "huggingFace":
+            hf = source["huggingFace"]
+            token = hf.get("tokenSecretRef")
+            fetched = HuggingFaceSource(
+                repo=hf["repo"], revision=hf["revision"],
+                token=SecretKeyRef(token["name"], token["key"]) if token else None,
+                allow_patterns=tuple(hf.get("allowPatterns") or ()), endpoint=hf.get("endpoint"))
+        elif kind == "s3":
+            s3 = source["s3"]
+            fetched = S3Source(uri=s3["uri"], endpoint=s3.get("endpoint"), region=s3.get("region"),
+                               credentials_secret=(s3.get("credentialsSecretRef") or {}).get("name"))
+        cache = None
+        if cache_raw is not None:
+            if fetched is None:
+                raise ValueError("spec.model.cache: cache needs a huggingFace or s3 source "
+                                 "(the other sources download nothing)")
+            if ("pvc" in cache_raw) == ("nodeLocal" in cache_raw):
+                raise ValueError("spec.model.cache: set exactly one of pvc, nodeLocal")
+            if "pvc" in cache_raw:
+                cache = ModelCacheSpec(ModelCacheKind.PVC, claim_name=cache_raw["pvc"]["claimName"])
+            else:
+                cache = ModelCacheSpec(ModelCacheKind.NODE_LOCAL, path=cache_raw["nodeLocal"]["path"])
+        return cls(kind=kind, fetched=fetched, cache=cache)
+
+
+class AdapterSourceKind(StrEnum):
+    """The source kinds of spec.adapters[].source."""
+
+    PVC = "pvc"
+    HOST_PATH = "hostPath"
+    HUGGING_FACE = "huggingFace"
+    S3 = "s3"
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One entry of spec.adapters: a LoRA adapter and where its PEFT folder comes from.
+
+    pvc: `claim_name` and `path` (the folder inside the volume, "" = its root); hostPath: `path`
+    (the node folder); huggingFace: `repo` and `revision`; s3: `uri`."""
+
+    name: str
+    kind: AdapterSourceKind
+    path: str = ""
+    claim_name: Optional[str] = None
+    repo: Optional[str] = None
+    revision: Optional[str] = None
+    uri: Optional[str] = None
+
+    @property
+    def fetched(self) -> bool:
+        """Downloaded by the runtime when it loads the adapter (not mounted)."""
+        return self.kind in (AdapterSourceKind.HUGGING_FACE, AdapterSourceKind.S3)
+
+    @property
+    def source_uri(self) -> str:
+        """What the runtime fetches (`model.adapters[].path`): hf://ORG/NAME@REV or s3://BUCKET/PREFIX."""
+        if self.kind == AdapterSourceKind.HUGGING_FACE:
+            return f"hf://{self.repo}@{self.revision}"
+        if self.kind == AdapterSourceKind.S3:
+            return str(self.uri)
+        raise ValueError(f"adapter {self.name}: a {self.kind} source is mounted, not fetched")
+
+    @classmethod
+    def from_spec(cls, raw: Mapping[str, Any], where: str) -> "AdapterSpec":
+        source = raw.get("source") or {}
+        kinds = [k for k in AdapterSourceKind if k.value in source]
+        if len(kinds) != 1:
+            raise ValueError(f"{where}.source: set exactly one of {', '.join(k.value for k in AdapterSourceKind)}"
+                             + (f" (got {', '.join(k.value for k in kinds)})" if kinds else ""))
+        kind, body = kinds[0], source[kinds[0].value]
+        if kind == AdapterSourceKind.PVC:
+            path = (body.get("path") or "").strip("/")
+            if ".." in path.split("/"):
+                raise ValueError(f"{where}.source.pvc.path: {body['path']!r} must stay inside the volume (no '..')")
+            return cls(raw["name"], kind, path=path, claim_name=body["claimName"])
+        if kind == AdapterSourceKind.HOST_PATH:
+            return cls(raw["name"], kind, path=body["path"])
+        if kind == AdapterSourceKind.HUGGING_FACE:
+            return cls(raw["name"], kind, repo=body["repo"], revision=body.get("revision") or "main")
+        return cls(raw["name"], kind, uri=body["uri"])
+
+
+def _adapters(spec: Mapping[str, Any]) -> tuple[AdapterSpec, ...]:
+    """spec.adapters, with the CRD's rules re-checked (unique names, not the served model's name)
+    for servers and files that skip them. A tenant's `adapters` may name adapters the spec does
+    not list, as in runtime.yaml: an adapter loaded through the API may be allowed too."""
+    adapters = tuple(AdapterSpec.from_spec(a, f"spec.adapters[{i}]")
+                     for i, a in enumerate(_without_nulls(spec.get("adapters") or [])))
+    names = [a.name for a in adapters]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"spec.adapters: duplicate name(s) {', '.join(duplicates)}")
+    model = spec.get("model") or {}
+    served = model.get("servedName") or PurePosixPath(str(model.get("path") or "").rstrip("/")).name
+    if served in names:
+        raise ValueError(f"spec.adapters: adapter name {served!r} is the served model's name "
+                         "(model.servedName, default the folder's name); rename the adapter")
+    return adapters
+
+
+class FailureMode(StrEnum):
+    """spec.gateway.inferencePool.endpointPicker.failureMode (the InferencePool's)."""
+
+    FAIL_OPEN = "FailOpen"
+    FAIL_CLOSE = "FailClose"
+
+
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    """spec.gateway.inferencePool: an InferencePool selecting the shared pool, and its endpoint picker."""
+
+    enabled: bool = False
+    picker_service: Optional[str] = None
+    picker_port: int = 9002
+    failure_mode: FailureMode = FailureMode.FAIL_CLOSE
+
+    @classmethod
+    def from_spec(cls, raw_gateway: Any) -> "InferencePoolSpec":
+        gateway = _defaulted(_MODEL_SERVICE_SPEC, "gateway", raw_gateway, "spec.gateway")
+        pool = crd_schema.apply_defaults(_MODEL_SERVICE_SPEC["gateway"]["properties"]["inferencePool"],
+                                         gateway.get("inferencePool") or {})
+        picker = pool.get("endpointPicker")
+        if not pool["enabled"]:
+            return cls()
+        if not picker:
+            raise ValueError("spec.gateway.inferencePool: inferencePool.enabled needs inferencePool.endpointPicker")
+        return cls(enabled=True, picker_service=picker["service"], picker_port=int(picker["port"]),
+                   failure_mode=FailureMode(picker["failureMode"]))
+
+
+@dataclass(frozen=True)
 class ModelServiceSettings:
-    """What the tuning and autoscaling timers read of a ModelService's spec."""
+    """What the timers and the model-source builders read of a ModelService's spec."""
 
     tuning: TuningSpec
     rollout: RolloutSpec
     autoscaling: AutoscalingSpec
     reject_watermark: float  # spec.scheduler.kvCacheRejectWatermark (never tuned)
     tenant_key_digests: tuple[Optional[str], ...] = ()  # spec.tenants[*].apiKeySha256
+    model_source: ModelSourceSpec = ModelSourceSpec(kind=None)  # spec.model.source and spec.model.cache
+    adapters: tuple[AdapterSpec, ...] = ()  # spec.adapters
+    inference_pool: InferencePoolSpec = InferencePoolSpec()  # spec.gateway.inferencePool
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "ModelServiceSettings":
@@ -205,9 +424,12 @@ class ModelServiceSettings:
         return cls(
             tuning=TuningSpec.from_spec(spec.get("tuning")),
             rollout=RolloutSpec.from_spec(spec.get("rollout")),
-            autoscaling=AutoscalingSpec.from_spec(spec.get("autoscaling")),
+            autoscaling=AutoscalingSpec.from_spec(spec.get("autoscaling"), router=spec.get("router") or {}),
             reject_watermark=float(scheduler["kvCacheRejectWatermark"]),
             tenant_key_digests=tuple(t.get("apiKeySha256") for t in spec.get("tenants") or ()),
+            model_source=ModelSourceSpec.from_spec(spec.get("model")),
+            adapters=_adapters(spec),
+            inference_pool=InferencePoolSpec.from_spec(spec.get("gateway")),
         )
 
 

@@ -63,13 +63,14 @@ EVENTS = Resource("", "v1", "events", "Event")
 DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 SERVICE_MONITORS = Resource("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor")
+INFERENCE_POOLS = Resource("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
 KOPF_PEERINGS = Resource("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
 CLUSTER_KOPF_PEERINGS = Resource("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False)
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                 namespaced=False)
 
 # Kinds the operator owns, in the order it observes them.
-OWNED = (CONFIG_MAPS, DEPLOYMENTS, SERVICES, PDBS, SERVICE_MONITORS)
+OWNED = (CONFIG_MAPS, DEPLOYMENTS, SERVICES, PDBS, SERVICE_MONITORS, INFERENCE_POOLS)
 _BY_KIND = {(r.api_version, r.kind): r for r in (*OWNED, MODEL_SERVICES, SERVING_LANES, EVENTS, CRDS)}
 
 

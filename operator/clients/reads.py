@@ -1,5 +1,6 @@
 """What the operator reads from the cluster about one ModelService: the object itself, its
-lanes and its pods' readiness. Shared by the reconcile (handlers.py) and the tuning timer
+lanes, its pods' readiness (from its Deployments) and, for a source an init container
+fetches, its runtime pods (the fetch-model init containers' states). Shared by the reconcile (handlers.py) and the tuning timer
 (tuning.py); only reads, no decisions.
 """
 
@@ -50,3 +51,15 @@ async def pod_readiness(executor: k8s.Executor, namespace: str, name: str) -> Po
         updated += min(want, int(st.get("updatedReplicas") or 0))
         ready += min(want, int(st.get("readyReplicas") or 0))
     return PodReadiness(desired, updated, ready)
+
+
+PODS = k8s.Resource("", "v1", "pods", "Pod")
+
+
+async def runtime_pods(executor: k8s.Executor, namespace: str, name: str) -> list[dict]:
+    """The runtime pods of every pool of the ModelService (by the labels of its pod templates;
+    the router's pods are left out). Read only for a huggingFace or s3 source: the
+    ModelAvailable condition comes from their fetch-model init containers."""
+    pods = await executor.observe(namespace, name, kinds=(PODS,))
+    return [p for p in pods
+            if ((p.get("metadata") or {}).get("labels") or {}).get(builders.LABEL_COMPONENT) == "runtime"]

@@ -62,6 +62,8 @@ class Operator:
     client: Optional[k8s.KubeClient] = None
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     _service_monitor: tuple[float, bool] = (0.0, False)
+    _inference_pool: tuple[float, bool] = (0.0, False)
+    _pool_warned: set = field(default_factory=set)  # (namespace, name, generation) told the CRD is missing
     timer_interval_s: float = TIMER_INTERVAL_S
     autoscaling: scaling.Autoscaling = field(default_factory=scaling.Autoscaling)  # its timer's clock and memory
 
@@ -81,6 +83,18 @@ class Operator:
             except k8s.ApiError:
                 available = False
             self._service_monitor = (time.monotonic(), available)
+        return available
+
+
+    async def inference_pool_available(self) -> bool:
+        """Whether the server serves InferencePools (the Gateway API Inference Extension's CRD)."""
+        checked_at, available = self._inference_pool
+        if time.monotonic() - checked_at > SERVICE_MONITOR_CHECK_S:
+            try:
+                available = await self.client.has_resource(k8s.INFERENCE_POOLS)
+            except k8s.ApiError:
+                available = False
+            self._inference_pool = (time.monotonic(), available)
         return available
 
 
@@ -177,12 +191,20 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
     # While a rollback (or the fallback) is in force, the rollout guard's last-known-good
     # inputs are rendered instead of the spec (the spec itself is untouched).
     msvc, lanes = await last_known_good.inputs_in_force(op.client, msvc, lanes)
+    pool_available = not msvc.settings.inference_pool.enabled or await op.inference_pool_available()
     try:
         desired = builders.build(msvc, lanes, overrides=builders.Overrides.from_status({"overrides": overrides}),
-                                 service_monitor_available=await op.service_monitor_available())
+                                 service_monitor_available=await op.service_monitor_available(),
+                                 inference_pool_available=pool_available)
     except ValueError as exc:
         await _reject(op, k8s.MODEL_SERVICES, body, generation, str(exc))
         raise InvalidSpec(str(exc)) from None
+    if not pool_available and (namespace, name, generation) not in op._pool_warned:
+        op._pool_warned.add((namespace, name, generation))
+        await k8s.post_event(op.client, body, "Warning", "InferencePoolUnavailable",
+                             "spec.gateway.inferencePool is enabled but the server does not serve "
+                             "inference.networking.k8s.io/v1 InferencePools: install the Gateway API Inference "
+                             "Extension's CRDs; the rest is rendered")
 
     observed = await op.executor.observe(namespace, name)
     actions = planner.plan(desired.objects, observed, name)
@@ -200,9 +222,20 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
     current.update(results)
     deployments = {key[3]: obj for key, obj in current.items() if key[1] == "Deployment"}
 
+    pods, pods_error = None, None
+    if msvc.settings.model_source.fetched is not None:
+        try:
+            pods = await reads.runtime_pods(op.executor, namespace, name)
+        except k8s.ApiError as exc:
+            if exc.status != 403:
+                raise
+            # RBAC without `list pods` (an older install): the condition says so, the rest goes on.
+            pods_error = str(exc)
+            log.warning("ModelService %s/%s: cannot list its pods for ModelAvailable: %s", namespace, name, exc)
     now = k8s.timestamp()
-    wanted = status_mod.model_service_status(msvc, desired, deployments, now)
-    await _write_status(op, k8s.MODEL_SERVICES, body, wanted)
+    wanted = status_mod.model_service_status(msvc, desired, deployments, now, pods=pods, pods_error=pods_error)
+    if await _write_status(op, k8s.MODEL_SERVICES, body, wanted):
+        await _event_on_fetch_failure(op, body, wanted)
 
     by_name = {b["metadata"]["name"]: b for b in lane_bodies}
     for lane in lanes:
@@ -220,6 +253,18 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
         log.info("reconciled ModelService %s/%s: %s", namespace, name, summary)
         await k8s.post_event(op.client, body, "Normal", "Reconciled", summary)
     return desired
+
+
+async def _event_on_fetch_failure(op: Operator, body: dict, wanted: dict) -> None:
+    """A Warning Event when ModelAvailable turns Failed: once per transition (the kubelet keeps
+    retrying the fetch with its crash-loop back-off; the operator never touches the source)."""
+    def model_available(conditions: Any) -> dict:
+        return next((c for c in conditions or () if c.get("type") == status_mod.MODEL_AVAILABLE), {})
+
+    old = model_available((body.get("status") or {}).get("conditions"))
+    new = model_available(wanted.get("conditions"))
+    if new.get("reason") == status_mod.FETCH_FAILED and old.get("reason") != status_mod.FETCH_FAILED:
+        await k8s.post_event(op.client, body, "Warning", "ModelFetchFailed", new.get("message", ""))
 
 
 async def _reject(op: Operator, res: k8s.Resource, body: dict, generation: int, message: str) -> None:

@@ -48,6 +48,7 @@ _LABEL_VALUE_RE = re.compile(r'^[^"\\\n]*$')
 ScalingReason = autoscaler.ScalingReason
 SCALED_UP, SCALED_DOWN, HOLDING, METRICS_UNAVAILABLE = (ScalingReason.SCALED_UP, ScalingReason.SCALED_DOWN,
                                                         ScalingReason.HOLDING, ScalingReason.METRICS_UNAVAILABLE)
+SCALED_FROM_ZERO, SCALED_TO_ZERO = ScalingReason.SCALED_FROM_ZERO, ScalingReason.SCALED_TO_ZERO
 
 
 # --------------------------------------------------------------------------- pure: spec -> policy
@@ -95,6 +96,7 @@ def settings_from_spec(spec: "AutoscalingSpec | Mapping[str, Any]") -> Optional[
             scale_up_stabilization_s=a.scale_up_stabilization_s,
             scale_down_stabilization_s=a.scale_down_stabilization_s,
             running_share_target=a.running_share_target,
+            scale_to_zero_after_s=a.scale_to_zero_after_s,
             **unset_is_default,
         )
     except ValueError as exc:
@@ -111,12 +113,15 @@ def ttft_targets(lanes: list[ServingLane]) -> dict[str, float]:
 # --------------------------------------------------------------------------- pure: Prometheus -> sample
 
 
-def queries(model: str, window_s: float, namespace: Optional[str] = None) -> dict[str, str]:
+def queries(model: str, window_s: float, namespace: Optional[str] = None,
+            idle_s: Optional[float] = None) -> dict[str, str]:
     """The PromQL of one autoscaling sample, by name: series of `model` in the ModelService's
     namespace only (two ModelServices serving one model name must not mix). The rates cover
     the window; `waiting` and `running` are the load now, averaged over the last quarter of
     the window (autoscaler.LOAD_NOW_SHARE: one scrape alone is noisy, the whole window lags), which the
-    decision's running and queue signals need (operator/policy/autoscaler.py)."""
+    decision's running and queue signals need (operator/policy/autoscaler.py). The router's
+    held demand is always read; with `idle_s` (scaleToZeroAfter, minReplicas 0) also the
+    router's arrivals over that span, which tell an idle fleet."""
     pairs = {"model": model, **({"namespace": namespace} if namespace else {})}
     for key, value in pairs.items():
         if not _LABEL_VALUE_RE.match(value):
@@ -146,6 +151,11 @@ def queries(model: str, window_s: float, namespace: Optional[str] = None) -> dic
         "max_active": f'avg by (lane) ({PREFIX}lane_budget{{{m},budget="maxActiveSequences"}})',
         # The replicas exporting metrics, averaged over the window: what served the rates above.
         "serving_replicas": f"avg_over_time(count({PREFIX}kv_cache_usage_ratio{{{m}}})[{w}:])",
+        # Scale from zero: what the router (runtime/fleet/router.py) holds, and what found no replica.
+        "held": f"max_over_time(sum({PREFIX}router_held_requests{{{m}}})[{recent}:])",
+        "without_replica": f"sum(increase({PREFIX}router_requests_without_replica_total{{{m}}}[{w}]))",
+        **({"idle_window_requests": f"sum(increase({PREFIX}router_requests_total{{{m}}}"
+                                    f"[{max(1, int(round(idle_s)))}s]))"} if idle_s is not None else {}),
     }
 
 
@@ -203,8 +213,20 @@ def fleet_sample(results: Mapping[str, list[Series]], at: float, window_s: float
                                                          if own and max_active else None))
     kv = results.get("kv_usage", [])
     serving = results.get("serving_replicas", [])
+    # Requests queued or running on the replicas now (no series: no replica exports them).
+    in_flight = (sum(load["waiting"].values()) + sum(load["running"].values())
+                 if load["waiting"] or load["running"] else None)
     return FleetSample(at=at, window_s=window_s, lanes=lanes, kv_usage=kv[0].value if kv else None,
-                       serving_replicas=serving[0].value if serving else None)
+                       serving_replicas=serving[0].value if serving else None,
+                       held_requests=_scalar(results, "held"),
+                       arrivals_without_replica=_scalar(results, "without_replica"),
+                       in_flight=in_flight, idle_window_requests=_scalar(results, "idle_window_requests"))
+
+
+def _scalar(results: Mapping[str, list[Series]], name: str) -> Optional[float]:
+    """The value of a one-series query; None when it returned nothing (no such series)."""
+    values = [s.value for s in results.get(name, []) if s.value is not None]
+    return values[0] if values else None
 
 
 def _by_lane(results: Mapping[str, list[Series]], name: str) -> dict[str, float]:
@@ -213,10 +235,10 @@ def _by_lane(results: Mapping[str, list[Series]], name: str) -> dict[str, float]
 
 
 async def read_prometheus(url: str, model: str, window_s: float, targets_s: Mapping[str, float], *,
-                          namespace: Optional[str], at: float) -> FleetSample:
+                          namespace: Optional[str], at: float, idle_s: Optional[float] = None) -> FleetSample:
     """One sample from Prometheus; any failure is an unavailable sample (the decision holds)."""
     try:
-        results = await PrometheusClient(url).query_all(queries(model, window_s, namespace))
+        results = await PrometheusClient(url).query_all(queries(model, window_s, namespace, idle_s))
     except PrometheusError as exc:
         return FleetSample.unavailable(at, str(exc))
     return fleet_sample(results, at, window_s, targets_s)
@@ -225,7 +247,12 @@ async def read_prometheus(url: str, model: str, window_s: float, targets_s: Mapp
 # --------------------------------------------------------------------------- pure: decision -> status
 
 
-def reason_of(decision: autoscaler.ScalingDecision, sample: Optional[FleetSample]) -> ScalingReason:
+def reason_of(decision: autoscaler.ScalingDecision, sample: Optional[FleetSample],
+              current: Optional[int] = None) -> ScalingReason:
+    if decision.desired == 0:
+        return SCALED_TO_ZERO
+    if current == 0 and decision.desired > 0:
+        return SCALED_FROM_ZERO
     if decision.action == autoscaler.UP:
         return SCALED_UP
     if decision.action == autoscaler.DOWN:
@@ -254,7 +281,7 @@ def autoscaling_status(previous: Optional[Mapping[str, Any]], current: int, deci
 
 # --------------------------------------------------------------------------- the timer
 
-# (prometheusUrl, model, window seconds, {lane: TTFT target s}, namespace=..., at=...) -> one sample
+# (prometheusUrl, model, window seconds, {lane: TTFT target s}, namespace=..., at=...[, idle_s=...]) -> one sample
 SampleReader = Callable[..., Awaitable[FleetSample]]
 Reconcile = Callable[[str, str], Awaitable[Any]]
 
@@ -344,13 +371,16 @@ async def tick(a: Autoscaling, client: k8s.KubeClient, executor: k8s.Executor, l
         model = builders.runtime_config(msvc, [], builders.Overrides()).model.name
     except ValueError:
         return None
+    # With minReplicas 0 the reader also measures idleness over scaleToZeroAfter.
+    idle = {"idle_s": settings.policy.scale_to_zero_after_s} if settings.policy.min_replicas == 0 else {}
     sample = await a.read_sample(settings.prometheus_url, model, settings.window_s, ttft_targets(lanes),
-                                 namespace=namespace, at=now)
+                                 namespace=namespace, at=now, **idle)
     sample = with_ready_replicas(sample, deployments, msvc)
     decision = autoscaler.decide(settings.policy, current, sample, a.history.get((namespace, name), ()), now)
     a.history[(namespace, name)] = decision.history
     previous = (body.get("status") or {}).get("autoscaling")
-    wanted = autoscaling_status(previous, current, decision, reason_of(decision, sample), k8s.timestamp(now))
+    wanted = autoscaling_status(previous, current, decision, reason_of(decision, sample, current),
+                                k8s.timestamp(now))
     async with lock:
         patch = status_mod.status_patch(body.get("status") or {}, {"autoscaling": wanted})
         if patch is not None:

@@ -12,6 +12,19 @@ What gets built for a ModelService `m` (namespace of `m`):
   Service `m-<lane>` (a pool serving only that lane, default for every request it gets).
 - with `spec.router.enabled`: Deployment and Service `m-router` running `tokenlane router` in
   front of the shared pool (docs/fleet.md).
+- with `spec.gateway.inferencePool.enabled`: InferencePool `m` (inference.networking.k8s.io/v1)
+  selecting the shared pool's pods, for a Gateway API Inference Extension gateway.
+
+LoRA adapters (`spec.adapters`) go into runtime.yaml's `model.adapters` (hot in the runtime, not
+in the restart hash). The pod template depends only on which adapter volumes (one per claim or
+node folder, read-only under /adapters) and which fetched kinds (huggingFace: the Hub online;
+the model source's credentials of that kind) are in use: an adapter whose volume or kind is
+already in use changes only the ConfigMap.
+
+Model sources (`spec.model.source`): pvc and hostPath are mounted read-only at /models;
+tinyModel and the fetched sources (huggingFace, s3) fill an emptyDir there from an init
+container (`make-tiny-model`, `fetch-model`), the latter through `spec.model.cache` mounted at
+/model-cache in both containers. Credentials are secretKeyRefs only: no Secret is ever read.
 
 Replicas of the shared pool: `spec.replicas`, or while `spec.autoscaling.enabled` the
 autoscaler's decision in `status.autoscaling.desiredReplicas` (`shared_replicas`).
@@ -38,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from tokenlane.operator.api.resources import API_VERSION, ModelService, ServingLane, lane_sort_key
+from tokenlane.operator.api.spec import AdapterSourceKind, AdapterSpec, HuggingFaceSource, ModelCacheKind, S3Source
 from tokenlane.runtime.config import LANE_KNOBS, RuntimeConfig, dumps_config
 
 FIELD_MANAGER = "tokenlane-operator"
@@ -53,11 +67,22 @@ LABEL_POOL = "tokenlane.dev/pool"  # "shared" or the dedicated lane's name
 ANNOTATION_RESTART_HASH = "tokenlane.dev/restart-hash"
 ANNOTATION_CONFIG_HASH = "tokenlane.dev/config-hash"
 ANNOTATION_APPLIED_HASH = "tokenlane.dev/applied-hash"
+# On the pod template of a fetched source: what its fetch-model init container downloads, so the
+# ModelAvailable condition reads only pods fetching the current source.
+ANNOTATION_MODEL_SOURCE = "tokenlane.dev/model-source"
 
 SHARED_POOL = "shared"
 CONFIG_DIR = "/etc/tokenlane"
 CONFIG_FILE = "runtime.yaml"
 MODELS_DIR = "/models"
+MODEL_CACHE_DIR = "/model-cache"  # spec.model.cache, at the same path in the init and runtime containers
+ADAPTERS_DIR = "/adapters"  # pvc and hostPath adapter volumes, one mount per volume
+ADAPTER_CACHE_DIR = f"{MODEL_CACHE_DIR}/adapters"  # where the runtime fetches adapters with a model cache
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+FETCH_MODEL_CONTAINER = "fetch-model"
+TERMINATION_LOG = "/dev/termination-log"
+# The fetch is network- and disk-bound: a modest request, and a memory limit for the HTTP buffers.
+FETCH_MODEL_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 RUN_AS_USER = 10001  # the image's non-root user (manifests/images)
 
 LANE_BUDGET_KEYS = tuple(k.key for k in LANE_KNOBS)  # a ServingLane's spec.budgets, status.overrides.lanes
@@ -141,9 +166,40 @@ def _tenant_dicts(msvc: ModelService, pool_lanes: list[str]) -> list[dict[str, A
         if default_lane not in pool_lanes or (allowed and default_lane not in allowed):
             default_lane = None
         tenant = {"name": t["name"], "apiKeySha256": t.get("apiKeySha256"), "defaultLane": default_lane,
-                  "lanes": allowed, "weight": t.get("weight"), "tokensPerMinute": t.get("tokensPerMinute")}
+                  "lanes": allowed, "weight": t.get("weight"), "tokensPerMinute": t.get("tokensPerMinute"),
+                  "adapters": list(t["adapters"]) if t.get("adapters") else None}
         out.append({k: v for k, v in tenant.items() if v is not None})
     return out
+
+
+def _adapter_volume_key(adapter: AdapterSpec) -> str:
+    """The folder under /adapters where the adapter's volume is mounted: one per claim, one per
+    node folder, so an adapter on a volume already mounted changes no pod template."""
+    if adapter.kind == AdapterSourceKind.PVC:
+        return f"pvc-{adapter.claim_name}"
+    return f"host-{hashlib.sha256(adapter.path.encode()).hexdigest()[:12]}"
+
+
+def adapter_path(adapter: AdapterSpec) -> str:
+    """`model.adapters[].path` in runtime.yaml: the mounted folder, or the URI the runtime fetches."""
+    if adapter.fetched:
+        return adapter.source_uri
+    folder = posixpath.join(ADAPTERS_DIR, _adapter_volume_key(adapter))
+    return posixpath.join(folder, adapter.path) if adapter.kind == AdapterSourceKind.PVC and adapter.path else folder
+
+
+def _model_dict(msvc: ModelService) -> dict[str, Any]:
+    """The `model` section: the spec's model (its `source` and `cache` say where the operator
+    mounts the weights from: not runtime keys) and the adapters. Only `adapters` is hot in the
+    runtime; `adapterCacheDir` is rendered only while a fetched adapter exists, so specs without
+    adapters keep their restart hash."""
+    model = {k: v for k, v in msvc.spec["model"].items() if k not in ("source", "cache")}
+    adapters = msvc.settings.adapters
+    if adapters:
+        model["adapters"] = [{"name": a.name, "path": adapter_path(a)} for a in adapters]
+    if msvc.settings.model_source.cache is not None and any(a.fetched for a in adapters):
+        model["adapterCacheDir"] = ADAPTER_CACHE_DIR
+    return model
 
 
 def runtime_config(msvc: ModelService, lanes: list[ServingLane], overrides: Overrides, *,
@@ -153,8 +209,7 @@ def runtime_config(msvc: ModelService, lanes: list[ServingLane], overrides: Over
     lane_dicts = [_lane_dict(lane, overrides, dedicated_pool=dedicated_pool)
                   for lane in sorted(lanes, key=lambda l: (-l.spec["priority"], l.lane_name))]
     return RuntimeConfig.from_dict({
-        # `source` says where the operator mounts the weights from: not a runtime key.
-        "model": {k: v for k, v in spec["model"].items() if k != "source"},
+        "model": _model_dict(msvc),
         "engine": {**spec["engine"], **overrides.engine},
         "scheduler": {**spec["scheduler"], **overrides.scheduler},
         "lanes": lane_dicts,
@@ -245,7 +300,121 @@ def _model_volume(msvc: ModelService) -> Optional[dict]:
         return {"name": "models", "hostPath": {"path": source["hostPath"]["path"], "type": "Directory"}}
     if "tinyModel" in source:
         return {"name": "models", "emptyDir": {"sizeLimit": "1Gi"}}
+    if msvc.settings.model_source.fetched is not None:
+        # No size limit: without a cache the checkpoint itself lands here.
+        return {"name": "models", "emptyDir": {}}
     return None
+
+
+def _model_cache_volume(msvc: ModelService) -> Optional[dict]:
+    cache = msvc.settings.model_source.cache
+    if cache is None:
+        return None
+    if cache.kind == ModelCacheKind.PVC:
+        return {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}}
+    return {"name": "model-cache", "hostPath": {"path": cache.path, "type": "DirectoryOrCreate"}}
+
+
+def fetch_model_args(msvc: ModelService) -> list[str]:
+    """The arguments of `tokenlane fetch-model` for a huggingFace or s3 source."""
+    source = msvc.settings.model_source
+    fetched = source.fetched
+    args = ["fetch-model", fetched.uri, posixpath.normpath(msvc.spec["model"]["path"])]
+    if source.cache is not None:
+        args += ["--cache-dir", MODEL_CACHE_DIR]
+    if isinstance(fetched, HuggingFaceSource):
+        args += ["--revision", fetched.revision]
+    else:
+        if fetched.endpoint:
+            args += ["--endpoint-url", fetched.endpoint]
+        if fetched.region:
+            args += ["--region", fetched.region]
+    args += ["--termination-log", TERMINATION_LOG]
+    if isinstance(fetched, HuggingFaceSource) and fetched.allow_patterns:
+        args += ["--allow-patterns", *fetched.allow_patterns]  # last: the option takes every value after it
+    return args
+
+
+def fetch_model_env(msvc: ModelService) -> list[dict]:
+    """Environment of the fetch-model init container: credentials as secretKeyRefs only (the
+    kubelet resolves them; the operator never reads a Secret)."""
+    fetched = msvc.settings.model_source.fetched
+    env: list[dict] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/huggingface"},
+                       {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if isinstance(fetched, HuggingFaceSource):
+        if fetched.token is not None:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": fetched.token.name,
+                                                                           "key": fetched.token.key}}})
+        if fetched.endpoint:
+            env.append({"name": "HF_ENDPOINT", "value": fetched.endpoint})
+    elif fetched.credentials_secret:
+        for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
+                              ("AWS_SESSION_TOKEN", True)):
+            ref: dict[str, Any] = {"name": fetched.credentials_secret, "key": key}
+            if optional:
+                ref["optional"] = True
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def fetch_model_container(msvc: ModelService) -> dict:
+    """The init container downloading a huggingFace or s3 source into the models volume (through
+    the cache when there is one). On failure it exits 1 with the source's message in its
+    termination message, and the kubelet retries it with its crash-loop back-off."""
+    spec = msvc.spec
+    mounts = [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if msvc.settings.model_source.cache is not None:
+        mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_DIR})
+    return {
+        "name": FETCH_MODEL_CONTAINER,
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["tokenlane"],
+        "args": fetch_model_args(msvc),
+        "env": fetch_model_env(msvc),
+        "resources": {part: dict(values) for part, values in FETCH_MODEL_RESOURCES.items()},
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+
+
+def _adapter_volumes(msvc: ModelService) -> tuple[list[dict], list[dict]]:
+    """(volumes, mounts) of the pvc and hostPath adapters: one read-only volume per claim or node
+    folder, at /adapters/<key>, in a stable order."""
+    keys: dict[str, AdapterSpec] = {}
+    for adapter in msvc.settings.adapters:
+        if not adapter.fetched:
+            keys.setdefault(_adapter_volume_key(adapter), adapter)
+    volumes, mounts = [], []
+    for key, adapter in sorted(keys.items()):
+        name = f"adapters-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        if adapter.kind == AdapterSourceKind.PVC:
+            volumes.append({"name": name, "persistentVolumeClaim": {"claimName": adapter.claim_name,
+                                                                     "readOnly": True}})
+        else:
+            volumes.append({"name": name, "hostPath": {"path": adapter.path, "type": "Directory"}})
+        mounts.append({"name": name, "mountPath": posixpath.join(ADAPTERS_DIR, key), "readOnly": True})
+    return volumes, mounts
+
+
+def _adapter_fetch_env(msvc: ModelService) -> list[dict]:
+    """What the runtime container needs to fetch huggingFace / s3 adapters: the model source's
+    credentials, endpoint and region when it is of the same kind (secretKeyRefs only). Rendered
+    per kind in use, so a second adapter of a kind changes no pod template."""
+    kinds = {a.kind for a in msvc.settings.adapters}
+    fetched = msvc.settings.model_source.fetched
+    env: list[dict] = []
+    if AdapterSourceKind.HUGGING_FACE in kinds and isinstance(fetched, HuggingFaceSource):
+        env += [e for e in fetch_model_env(msvc) if e["name"] in ("HF_TOKEN", "HF_ENDPOINT")]
+    if AdapterSourceKind.S3 in kinds and isinstance(fetched, S3Source):
+        env += [e for e in fetch_model_env(msvc) if e["name"].startswith("AWS_")]
+        if fetched.endpoint:
+            env.append({"name": "AWS_ENDPOINT_URL_S3", "value": fetched.endpoint})
+        if fetched.region:
+            env.append({"name": "AWS_REGION", "value": fetched.region})
+    return env
 
 
 def _container_security() -> dict:
@@ -301,6 +470,16 @@ def deployment(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
         if "pvc" in source and source["pvc"].get("subPath"):
             mount["subPath"] = source["pvc"]["subPath"]
         mounts.append(mount)
+        cache_volume = _model_cache_volume(msvc)
+        if cache_volume:
+            volumes.append(cache_volume)
+            # The models folder holds a link into the cache: mounted at the same path as in the init container.
+            # Writable while an adapter is fetched: the runtime downloads it into /model-cache/adapters.
+            mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_DIR,
+                           "readOnly": not any(a.fetched for a in msvc.settings.adapters)})
+        if msvc.settings.model_source.fetched is not None:
+            init_containers.append(fetch_model_container(msvc))
+            pod_annotations[ANNOTATION_MODEL_SOURCE] = msvc.settings.model_source.description
         if "tinyModel" in source:
             init_containers.append({
                 "name": "make-tiny-model",
@@ -314,14 +493,20 @@ def deployment(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
                 "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
             })
 
+    adapter_volumes, adapter_mounts = _adapter_volumes(msvc)
+    volumes += adapter_volumes
+    mounts += adapter_mounts
+    # The runtime reaches the Hub only to fetch huggingFace adapters.
+    hub_online = any(a.kind == AdapterSourceKind.HUGGING_FACE for a in msvc.settings.adapters)
     env = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/cache"},
         {"name": "HF_HOME", "value": "/cache/huggingface"},
-        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        *([] if hub_online else [{"name": "HF_HUB_OFFLINE", "value": "1"}]),
         {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
         {"name": "TOKENLANE_LOG_LEVEL", "value": spec["logLevel"]},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        *_adapter_fetch_env(msvc),
     ]
     env += [{"name": e["name"], "value": e.get("value", "")} for e in spec.get("env") or []]
 
@@ -489,7 +674,8 @@ def router_deployment(msvc: ModelService, shared: Pool) -> dict:
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {part: dict(res[part]) for part in ("requests", "limits") if res.get(part)},
         "livenessProbe": probe("/health", 10, 6),
-        # Ready while at least one replica is: a router with none answers every request 503.
+        # Ready while a replica is, or while it can hold requests for one (scale from zero:
+        # a router out of its Service could never receive the request that wakes the pool).
         "readinessProbe": probe("/ready", 5, 3),
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
@@ -542,6 +728,26 @@ def router_service(msvc: ModelService) -> dict:
     }
 
 
+def inference_pool(msvc: ModelService) -> dict:
+    """An InferencePool (Gateway API Inference Extension) selecting the shared pool's pods on the
+    API port: a gateway's HTTPRoute sends to it and its endpoint picker chooses the pod. Dedicated
+    lanes' pools are not in it (they serve only their lane)."""
+    picker = msvc.settings.inference_pool
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": _metadata(msvc, msvc.name, SHARED_POOL),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(msvc, SHARED_POOL)},
+            "targetPorts": [{"number": msvc.spec["port"]}],
+            "appProtocol": "http",
+            "endpointPickerRef": {"kind": "Service", "name": picker.picker_service,
+                                  "port": {"number": picker.picker_port},
+                                  "failureMode": picker.failure_mode.value},
+        },
+    }
+
+
 def _with_applied_hash(obj: dict) -> dict:
     """Stamp the hash of the object as built: the planner compares it to see removed fields too."""
     obj["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = _hash(obj)
@@ -560,9 +766,11 @@ def effective_budgets(pools: list[Pool]) -> dict[str, Any]:
 
 
 def build(msvc: ModelService, lanes: list[ServingLane], *, overrides: Optional[Overrides] = None,
-          service_monitor_available: bool = False) -> Desired:
+          service_monitor_available: bool = False, inference_pool_available: bool = True) -> Desired:
     """Every object the operator wants for `msvc`, in apply order. Raises ValueError if the
-    ModelService itself (with no lane) cannot make a valid runtime config."""
+    ModelService itself (with no lane) cannot make a valid runtime config.
+    `inference_pool_available`: whether the server serves InferencePools (the operator leaves the
+    pool out, with a Warning Event, where the CRD is not installed)."""
     overrides = overrides or Overrides()
     runtime_config(msvc, [], overrides)  # the ModelService alone must be valid
     admitted, rejected = admit_lanes(msvc, lanes, overrides)
@@ -596,6 +804,8 @@ def build(msvc: ModelService, lanes: list[ServingLane], *, overrides: Optional[O
         objects.append(pod_disruption_budget(msvc, shared))
     if service_monitor_available and msvc.spec["monitoring"]["serviceMonitor"]:
         objects.extend(service_monitor(msvc, pool) for pool in pools)
+    if inference_pool_available and msvc.settings.inference_pool.enabled:
+        objects.append(inference_pool(msvc))
     objects = [_with_applied_hash(obj) for obj in objects]
     return Desired(objects=objects, pools=pools, admitted=admitted, rejected=rejected,
                    effective_budgets=effective_budgets(pools))

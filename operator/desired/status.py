@@ -2,7 +2,7 @@
 
 The operator owns these status keys of a ModelService: observedGeneration, replicas,
 readyReplicas, updatedReplicas, selector, lanes, laneNames, restartHash, configHash,
-endpoint, effectiveBudgets and the conditions Ready, Progressing, Degraded. Other writers
+endpoint, effectiveBudgets and the conditions Ready, Progressing, Degraded, ModelAvailable. Other writers
 (the tuner and the rollout guard, tuning.py) own status.overrides / tuning / rollout and the
 conditions SLOMet, RolledBack and Tuning; `merge_conditions` keeps theirs untouched.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Collection, Mapping, Optional
 
 from tokenlane.operator.desired import precedence
+from tokenlane.operator.desired import builders
 from tokenlane.operator.desired.builders import Desired, Pool, endpoint, selector_labels, selector_string
 from tokenlane.operator.api.resources import ModelService, ServingLane
 
@@ -74,9 +75,97 @@ def pool_conditions(pool: Pool, dep: Optional[Mapping[str, Any]]) -> tuple[bool,
     return is_ready, not is_ready, failure
 
 
+# --------------------------------------------------------------------------- ModelAvailable
+
+MODEL_AVAILABLE = "ModelAvailable"
+# Reasons of ModelAvailable.
+NO_DOWNLOAD = "NoDownload"  # pvc, hostPath, tinyModel or weights in the image: nothing to fetch
+DOWNLOADING = "Downloading"
+FETCHED = "Ready"
+FETCH_FAILED = "Failed"
+NO_PODS = "NoPods"
+PODS_UNREADABLE = "PodsUnreadable"
+# Waiting reasons of the fetch-model init container that mean it cannot run as it is: its
+# Secret or key is missing, its image cannot be pulled, or it keeps failing (crash-loop back-off).
+_FAILED_WAITING = frozenset({"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError",
+                             "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "RunContainerError"})
+
+
+def _fetch_state(pod: Mapping[str, Any]) -> tuple[str, str]:
+    """("done" | "fetching" | "failed", message) of one pod's fetch-model init container."""
+    statuses = ((pod.get("status") or {}).get("initContainerStatuses")) or []
+    st = next((s for s in statuses if s.get("name") == builders.FETCH_MODEL_CONTAINER), None)
+    if st is None:
+        return "fetching", "not started"
+    state = st.get("state") or {}
+    last = (st.get("lastState") or {}).get("terminated") or {}
+    last_failed = bool(last) and last.get("exitCode", 0) != 0
+
+    def said(term: Mapping[str, Any]) -> str:
+        return ((term.get("message") or "").strip() or term.get("reason") or "failed") + \
+            f" (exit code {term.get('exitCode')})"
+
+    term = state.get("terminated")
+    if term is not None:
+        return ("done", "") if term.get("exitCode", 0) == 0 else ("failed", said(term))
+    waiting = state.get("waiting")
+    if waiting is not None and waiting.get("reason") in _FAILED_WAITING:
+        if waiting["reason"] == "CrashLoopBackOff" and last_failed:
+            return "failed", said(last)
+        return "failed", f"{waiting['reason']}: {waiting.get('message') or 'init container cannot run'}"
+    if last_failed:  # running again after a failure: failed until a try succeeds
+        return "failed", said(last)
+    return "fetching", ""
+
+
+def model_available(msvc: ModelService, pods: Optional[list[Mapping[str, Any]]],
+                    pods_error: Optional[str] = None) -> dict:
+    """The ModelAvailable condition: for a huggingFace or s3 source, from the fetch-model init
+    containers of `pods` (the runtime pods fetching the current source); the operator itself
+    never touches the source. Failed wins over the others (one failing pod is a problem to see),
+    then Ready (a pod has the weights), then Downloading."""
+    source = msvc.settings.model_source
+    if source.fetched is None:
+        model = msvc.spec["model"]
+        raw = model.get("source") or {}
+        why = {
+            "pvc": lambda: f"mounted from PersistentVolumeClaim {raw['pvc']['claimName']}",
+            "hostPath": lambda: f"mounted from node path {raw['hostPath']['path']}",
+            "tinyModel": lambda: "generated at pod start (tinyModel)",
+            None: lambda: f"read from the image at {model['path']}",
+        }[source.kind]()
+        return condition(MODEL_AVAILABLE, True, NO_DOWNLOAD, f"{why}; nothing to download")
+    what = source.description
+    if pods_error:  # e.g. RBAC without `list pods`: the rest of the reconcile goes on
+        return {"type": MODEL_AVAILABLE, "status": "Unknown", "reason": PODS_UNREADABLE,
+                "message": f"cannot read the pods fetching {what}: {pods_error}"[:4000]}
+    current = sorted((p for p in pods or ()
+                      if not (p.get("metadata") or {}).get("deletionTimestamp")
+                      and ((p.get("metadata") or {}).get("annotations") or {}).get(builders.ANNOTATION_MODEL_SOURCE)
+                      == what),
+                     key=lambda p: p["metadata"]["name"])
+    if not current:
+        return {"type": MODEL_AVAILABLE, "status": "Unknown", "reason": NO_PODS,
+                "message": f"no pods: {what} is fetched when a pod starts"}
+    states = [(p["metadata"]["name"], *_fetch_state(p)) for p in current]
+    failed = [(name, msg) for name, state, msg in states if state == "failed"]
+    if failed:
+        name, msg = failed[0]
+        more = f" (and {len(failed) - 1} more pod(s))" if len(failed) > 1 else ""
+        return condition(MODEL_AVAILABLE, False, FETCH_FAILED, f"fetching {what} failed in pod {name}{more}: {msg}"[:4000])
+    if any(state == "done" for _, state, _ in states):
+        cached = " into the cache" if source.cache is not None else ""
+        return condition(MODEL_AVAILABLE, True, FETCHED, f"{what} fetched{cached}")
+    return condition(MODEL_AVAILABLE, False, DOWNLOADING,
+                     f"fetching {what} (init container {builders.FETCH_MODEL_CONTAINER})")
+
+
 def model_service_status(msvc: ModelService, desired: Desired, deployments: Mapping[str, Mapping[str, Any]],
-                         now: str) -> dict:
-    """The full status the operator wants (operator-owned keys + merged conditions)."""
+                         now: str, pods: Optional[list[Mapping[str, Any]]] = None,
+                         pods_error: Optional[str] = None) -> dict:
+    """The full status the operator wants (operator-owned keys + merged conditions). `pods`:
+    the runtime pods, read only for a source an init container fetches (ModelAvailable);
+    `pods_error`: why they could not be read."""
     shared = desired.shared
     replicas, ready, updated, _ = _deployment_counts(deployments.get(shared.object_name))
     not_ready, progressing, failures = [], False, []
@@ -89,7 +178,14 @@ def model_service_status(msvc: ModelService, desired: Desired, deployments: Mapp
         if failure:
             failures.append(failure)
     updates = []
-    if msvc.spec["replicas"] == 0 and not not_ready:
+    autoscaling = msvc.spec.get("autoscaling") or {}
+    if autoscaling.get("enabled") and shared.replicas == 0 and not not_ready:
+        # Scaled to zero by the autoscaler (minReplicas 0): still serving, through the router,
+        # which holds the next request while the pool wakes up.
+        updates.append(condition("Ready", True, "ScaledToZero",
+                                 "no request for scaleToZeroAfter: 0 pods; the router holds the next request "
+                                 "until a pod is ready"))
+    elif msvc.spec["replicas"] == 0 and not not_ready:
         updates.append(condition("Ready", False, "ScaledToZero", "spec.replicas is 0"))
     elif not_ready:
         updates.append(condition("Ready", False, "PodsNotReady", "; ".join(not_ready)))
@@ -104,6 +200,7 @@ def model_service_status(msvc: ModelService, desired: Desired, deployments: Mapp
         updates.append(condition("Degraded", True, "LanesRejected", msg[:4000]))
     else:
         updates.append(condition("Degraded", False, "AsExpected", "no problems"))
+    updates.append(model_available(msvc, pods, pods_error))
     return {
         "observedGeneration": msvc.ref.generation,
         "replicas": replicas,
@@ -161,6 +258,10 @@ def lane_status(lane: ServingLane, msvc: Optional[ModelService], desired: Option
     _, ready, _, _ = _deployment_counts(deployments.get(pool.object_name))
     if ok and pool.replicas > 0:
         ready_cond = condition("Ready", True, "Serving", f"served by {pool.object_name}")
+    elif ok and pool is desired.shared and (msvc.spec.get("autoscaling") or {}).get("enabled"):
+        ready_cond = condition("Ready", True, "ScaledToZero",
+                               f"{pool.object_name} is scaled to zero; the router holds the next request until a "
+                               "pod is ready")
     else:
         ready_cond = condition("Ready", False, "PodsNotReady", f"{pool.object_name}: {ready}/{pool.replicas} ready")
     conds = [ready_cond, condition("Degraded", bool(failure), "DeploymentFailed" if failure else "AsExpected",

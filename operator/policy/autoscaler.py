@@ -58,6 +58,15 @@ Rules:
      covers that whole window, so one quiet sample never removes replicas and an
      oscillating load never flaps.
 
+Scale to zero (`min_replicas` 0; the router holds the requests that arrive meanwhile):
+  - At zero replicas, demand the router saw (requests held now, or requests that arrived
+    with no ready replica during the window) -> 1 at once: no stabilization window, a held
+    request waits for the cold start already. No demand, or no metrics -> stay at zero.
+  - With replicas, no request for `scale_to_zero_after_s` (none held, none in flight, none
+    arriving at the router over that span, all three measured) -> 0 at once: that span is
+    the scale-down's stabilization window.
+  - Otherwise the rules above, which never go below one replica on their own.
+
 A lane with fewer than `min_requests` requests in the window has no latency verdict (its
 percentiles mean nothing). See docs/fleet.md for the inputs the operator reads from Prometheus.
 """
@@ -89,6 +98,8 @@ class ScalingReason(StrEnum):
     SCALED_DOWN = "ScaledDown"
     HOLDING = "Holding"
     METRICS_UNAVAILABLE = "MetricsUnavailable"  # no sample, or Prometheus could not be read
+    SCALED_FROM_ZERO = "ScaledFromZero"  # woken by demand the router holds
+    SCALED_TO_ZERO = "ScaledToZero"  # at zero replicas (idle for scaleToZeroAfter)
 
 MAX_HISTORY = 256  # recommendations kept in status at most
 # The load now (a lane's waiting requests and running share) is averaged over this share of the
@@ -135,10 +146,16 @@ class AutoscalingPolicy:
     # The share of their measured throughput that saturated replicas should run at after a
     # scale-up sized by the queue.
     target_utilization: float = 0.8
+    # With min_replicas 0: how long the fleet must see no request before it scales to zero.
+    scale_to_zero_after_s: float = 900.0
 
     def __post_init__(self) -> None:
-        if self.min_replicas < 1:
-            raise ValueError(f"minReplicas must be >= 1 (scale from zero is not supported), got {self.min_replicas}")
+        if self.min_replicas < 0:
+            raise ValueError(f"minReplicas must be >= 0, got {self.min_replicas}")
+        if not self.scale_to_zero_after_s > 0:
+            raise ValueError(f"scaleToZeroAfter must be > 0 s, got {self.scale_to_zero_after_s!r}")
+        if self.max_replicas < 1:
+            raise ValueError(f"maxReplicas must be >= 1, got {self.max_replicas}")
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"maxReplicas ({self.max_replicas}) must be >= minReplicas ({self.min_replicas})")
         if self.kv_usage_target is not None and not 0 < self.kv_usage_target <= 1:
@@ -161,7 +178,8 @@ class AutoscalingPolicy:
             raise ValueError(f"duplicate lane targets: {sorted(n for n in set(names) if names.count(n) > 1)}")
 
     def clamp(self, replicas: int) -> int:
-        return max(self.min_replicas, min(self.max_replicas, replicas))
+        """Within the bounds, and at least one replica: only the scale-to-zero rule reaches 0."""
+        return max(self.min_replicas, 1, min(self.max_replicas, replicas))
 
 
 @dataclass(frozen=True)
@@ -197,6 +215,14 @@ class FleetSample:
     serving_replicas: Optional[float] = None
     available: bool = True
     error: str = ""  # why not available
+    # Scale from zero (None: not measured). Requests the router holds for want of a ready
+    # replica, now (the most over the last part of the window); requests that arrived at the
+    # router with no ready replica over the window; requests queued or running on the replicas
+    # now; requests that arrived at the router over the last `scale_to_zero_after_s`.
+    held_requests: Optional[float] = None
+    arrivals_without_replica: Optional[float] = None
+    in_flight: Optional[float] = None
+    idle_window_requests: Optional[float] = None
 
     @classmethod
     def unavailable(cls, at: float, error: str) -> "FleetSample":
@@ -250,6 +276,10 @@ def decide(policy: AutoscalingPolicy, current: int, sample: Optional[FleetSample
     """One autoscaling step. Pure: the same inputs always give the same decision."""
     if current < 0:
         raise ValueError(f"current replicas must be >= 0, got {current}")
+    if policy.min_replicas == 0:
+        zero = _zero_rules(policy, current, sample, history, now)
+        if zero is not None:
+            return zero
     held = policy.clamp(current)
     missing = _missing_data(policy, sample, now)
     if missing:
@@ -266,6 +296,51 @@ def decide(policy: AutoscalingPolicy, current: int, sample: Optional[FleetSample
                   f"{policy.clamp(desired)} ({reason})")
         desired = policy.clamp(desired)
     return ScalingDecision(desired, _direction(current, desired), reason, recommendation, history)
+
+
+def _zero_rules(policy: AutoscalingPolicy, current: int, sample: Optional[FleetSample],
+                history: Sequence[Recommendation], now: float) -> Optional[ScalingDecision]:
+    """The scale-to-zero rules (module docstring), or None when the other rules decide."""
+    missing = _missing_zero_data(policy, sample, now)
+    if current == 0:
+        if missing:
+            desired, reason = 0, f"holding at 0: {missing}; no demand can be seen"
+        else:
+            assert sample is not None
+            held = sample.held_requests or 0.0
+            unserved = sample.arrivals_without_replica or 0.0
+            if held > 0 or unserved > 0:
+                desired = min(1, policy.max_replicas)
+                reason = (f"scale from zero 0 -> {desired}: the router holds {held:.0f} request(s), "
+                          f"{unserved:.0f} arrived with no replica in the last {sample.window_s:.0f}s")
+            elif sample.held_requests is None and sample.arrivals_without_replica is None:
+                desired, reason = 0, ("at zero replicas: the router's held requests are not in the metrics "
+                                      "(is the router scraped?); no demand can be seen")
+            else:
+                desired, reason = 0, "at zero replicas: no request held or arriving at the router"
+        return ScalingDecision(desired, _direction(0, desired), reason, desired,
+                               _remember(history, Recommendation(now, desired), policy, now))
+    if missing:
+        return None
+    assert sample is not None
+    idle = (sample.held_requests, sample.in_flight, sample.idle_window_requests)
+    if any(value is None for value in idle) or any(value > 0 for value in idle):  # type: ignore[operator]
+        return None
+    reason = (f"scale to zero {current} -> 0: no request held, in flight or arriving in the last "
+              f"{policy.scale_to_zero_after_s:.0f}s (scaleToZeroAfter)")
+    return ScalingDecision(0, DOWN, reason, 0, _remember(history, Recommendation(now, 0), policy, now))
+
+
+def _missing_zero_data(policy: AutoscalingPolicy, sample: Optional[FleetSample], now: float) -> str:
+    """Why the sample cannot tell demand from idleness, or "" when it can."""
+    if sample is None:
+        return "no metrics yet"
+    if not sample.available:
+        return f"metrics unavailable ({sample.error or 'no reason given'})"
+    age = now - sample.at
+    if age > policy.max_sample_age_s:
+        return f"metrics are stale ({age:.0f}s old, limit {policy.max_sample_age_s:.0f}s)"
+    return ""
 
 
 def _direction(current: int, desired: int) -> ScalingAction:

@@ -47,7 +47,7 @@ from tokenlane.operator.api.resources import (
     parse_model_service,
     parse_serving_lane,
 )
-from tokenlane.runtime.config import ConfigError, RuntimeConfig, loads_config
+from tokenlane.runtime.config import LANE_KNOBS, ConfigError, RuntimeConfig, loads_config
 
 
 class CheckInputError(Exception):
@@ -95,7 +95,7 @@ def subject_from_runtime_yaml(name: str, config: RuntimeConfig, checkpoint: Opti
 
 _LANE_SPEC_KEYS = {"class": "spec.class", "priority": "spec.priority", "weight": "spec.weight",
                    "default": "spec.default"}
-_BUDGET_KEYS = ("maxActiveSequences", "maxBatchedTokens", "prefillChunkSize", "maxWaitingRequests", "queueTimeoutMs")
+_BUDGET_KEYS = tuple(k.key for k in LANE_KNOBS)  # a ServingLane's spec.budgets
 
 
 def _manifest_locator(msvc_label: str, lane_objects: dict[str, str]) -> Callable[[Problem], tuple[str, str]]:

@@ -19,6 +19,8 @@ from tokenlane.runtime.config import LANE_CLASSES, LaneConfig, RuntimeConfig
 SEVERITIES = ("error", "warning", "info")
 
 # Thresholds of the rules; docs/check.md says why each is where it is.
+FP8_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+ISOLATION_KV_RESERVE = 0.05  # the interactive reserve the shipped configs use (docs/tuning.md)
 MIN_WATERMARK_GAP = 0.05  # the tuner treats KV usage within 0.05 of the reject watermark as pressure
 MIN_HIGH_WATERMARK = 0.5
 MAX_HIGH_WATERMARK = 0.95
@@ -85,12 +87,18 @@ _RULE_LIST = [
     Rule("kv-batched-tokens-above-pool", "warning", "one step's maxBatchedTokens exceed the KV pool below the high watermark"),
     Rule("kv-long-context-overcommit", "warning", "a long-context lane's running set at full length exceeds the KV pool"),
     Rule("kv-overcommit", "info", "the global running set at full length exceeds the KV pool"),
+    Rule("kv-long-context-fits-fp8", "warning",
+         "a long-context lane's requests at full length exceed the KV pool, but would fit an fp8 cache"),
+    Rule("lane-isolation-off", "warning",
+         "an interactive lane with an SLO shares its pool with lower-priority lanes without lane isolation"),
     Rule("tenant-keys-missing", "warning", "several tenants and no API key: any client can claim any tenant"),
     Rule("tenant-without-key", "warning", "API keys are on but a tenant has none: it cannot authenticate"),
     Rule("tenant-key-duplicate", "error", "two tenants share one API key digest"),
     Rule("tenant-lane-unknown", "error", "a tenant's lanes or defaultLane name no ServingLane of the ModelService"),
     Rule("replicas-single", "info", "the ModelService runs one replica"),
     Rule("tuning-without-slo", "warning", "tuning is on but no lane declares an SLO"),
+    Rule("model-source-without-cache", "warning",
+         "a huggingFace or s3 model source with more than one replica and no model cache: each pod downloads it"),
     Rule("rollout-without-prometheus", "info", "no tuning.prometheusUrl: the rollout guard checks readiness only"),
     Rule("alerts-not-found", "warning", "no Prometheus alert rules were given or found"),
     Rule("alerts-missing", "warning", "the alert rules lack alerts the checklist needs"),
@@ -140,7 +148,7 @@ class Checkpoint:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 @dataclass
@@ -458,6 +466,63 @@ def rule_kv_pool(subject: Subject) -> Iterator[Problem]:
                       "lower maxActiveSequences if your requests are mostly long")
 
 
+def _fp8_pool_blocks(subject: Subject, config: RuntimeConfig) -> Optional[int]:
+    """The pool an fp8 cache would get from the same bytes; None where the pool is not sized in
+    bytes here (an explicit kvCacheBlocks, or a pool only known at start)."""
+    engine = config.engine
+    if engine.kv_cache_blocks or engine.kv_cache_dtype in FP8_KV_DTYPES or _pool_blocks(subject, config) is None:
+        return None
+    assert subject.checkpoint is not None  # _pool_blocks sized it from the checkpoint
+    return int(engine.cpu_kv_cache_gib * 2**30 // subject.checkpoint.kv_bytes_per_block(engine.block_size, 1))
+
+
+def rule_kv_fp8(subject: Subject) -> Iterator[Problem]:
+    for config, lane in subject.lanes():
+        if lane.lane_class != "long-context":
+            continue
+        blocks, fp8_blocks, max_len = _pool_blocks(subject, config), _fp8_pool_blocks(subject, config), \
+            _max_model_len(subject, config)
+        if blocks is None or fp8_blocks is None or not max_len:
+            continue
+        high = config.scheduler.kv_cache_high_watermark
+        block_size = config.engine.block_size
+        usable, fp8_usable = int(blocks * block_size * high), int(fp8_blocks * block_size * high)
+        running = config.lane_budgets(lane.name).max_active_sequences
+        need = running * max_len
+        if usable < need <= fp8_usable:
+            yield Problem("kv-long-context-fits-fp8", "engine.kvCacheDtype",
+                          f"{running} running {lane.name} requests of up to {max_len} tokens need {need} tokens; the "
+                          f"pool holds {usable} below the high watermark with kvCacheDtype "
+                          f"{config.engine.kv_cache_dtype}, and would hold {fp8_usable} in fp8 (the same bytes, one "
+                          "byte per element)",
+                          "set engine.kvCacheDtype: fp8_e4m3 (check accuracy on your prompts first: docs/check.md), "
+                          "or cap the lane's maxActiveSequences", lane=lane.name)
+
+
+def rule_isolation(subject: Subject) -> Iterator[Problem]:
+    for config in subject.configs:
+        lanes = [lane for lane in config.lanes if subject.declares(lane)]
+        for lane in lanes:
+            if lane.lane_class != "interactive" or (lane.slo.ttft_p95_ms is None and lane.slo.tpot_p95_ms is None):
+                continue
+            below = [other.name for other in lanes if other.priority < lane.priority]
+            if not below:
+                continue
+            if config.scheduler.step_time_budget != "auto":
+                yield Problem("lane-isolation-off", "scheduler.stepTimeBudget",
+                              f"interactive lane {lane.name} shares its pool with {below} and every step may take as "
+                              "long as their prefills make it: a long-prompt flood pushes its TPOT and TTFT past "
+                              "target",
+                              "set scheduler.stepTimeBudget: auto (steps stay within the tightest TPOT target; "
+                              "lower-priority prefills yield)", lane=lane.name)
+            if not lane.kv_cache_reserved:
+                yield Problem("lane-isolation-off", f"lanes[{lane.name}].kvCacheReserved",
+                              f"interactive lane {lane.name} has no KV reserve: {below} can fill the KV cache past "
+                              "the high watermark, and then no interactive prefill starts",
+                              f"set the lane's kvCacheReserved (e.g. {ISOLATION_KV_RESERVE}: a share of the KV "
+                              "blocks no other lane may take)", lane=lane.name)
+
+
 def rule_tenants(subject: Subject) -> Iterator[Problem]:
     tenants = subject.shared.tenants
     if subject.spec is not None:  # the ModelService's tenants, before the operator filters them per pool
@@ -507,6 +572,16 @@ def rule_model_service(subject: Subject) -> Iterator[Problem]:
         yield Problem("replicas-single", "replicas",
                       "one replica: a pod restart or node drain stops serving until it is back",
                       "run at least 2 replicas (the rendered PodDisruptionBudget then keeps one up)")
+    model = spec.get("model") or {}
+    fetched = [k for k in ("huggingFace", "s3") if k in (model.get("source") or {})]
+    autoscaling = spec.get("autoscaling") or {}
+    most = max(spec.get("replicas", 1), autoscaling.get("maxReplicas") or 0 if autoscaling.get("enabled") else 0)
+    if fetched and not model.get("cache") and most > 1:
+        yield Problem("model-source-without-cache", "model.cache",
+                      f"up to {most} pods each download the whole checkpoint from the {fetched[0]} source at start: "
+                      "slow cold starts, and the source's rate limits or egress costs multiplied",
+                      "set model.cache (a ReadWriteMany pvc shared by the replicas, or nodeLocal) so a revision "
+                      "is downloaded once")
     tuning = spec.get("tuning") or {}
     if not tuning.get("prometheusUrl"):
         yield Problem("rollout-without-prometheus", "tuning.prometheusUrl",
@@ -523,7 +598,7 @@ def rule_model_service(subject: Subject) -> Iterator[Problem]:
 
 CONFIG_RULES: list[Callable[[Subject], Iterable[Problem]]] = [
     rule_max_model_len, rule_watermarks, rule_batching, rule_lanes, rule_slos, rule_timeouts, rule_kv_pool,
-    rule_tenants, rule_model_service,
+    rule_kv_fp8, rule_isolation, rule_tenants, rule_model_service,
 ]
 
 

@@ -67,15 +67,18 @@ class LaneKVAllocator:
                 return False
         return num_blocks <= self.room(lane)
 
-    def blocks_needed(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> int:
-        """Free blocks `allocate(request, num_new_tokens, lane, cached_blocks)` needs in the
-        lane's room (with KV shares, prefix hits on another lane's blocks count too)."""
-        if not cached_blocks and request.block_ids:  # a running request: kept lean
+    def blocks_needed(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (), num_restored: int = 0
+    ) -> int:
+        """Free blocks `allocate(request, num_new_tokens, lane, cached_blocks, restore_slots)`
+        needs in the lane's room (with KV shares, prefix hits on another lane's blocks count
+        too; each host-tier hit takes a fresh block)."""
+        if not cached_blocks and not num_restored and request.block_ids:  # a running request: kept lean
             table = request.block_ids
             new = -(-(request.num_computed_tokens + num_new_tokens) // self.kv.block_size) - len(table)
             copy = request.group is not None and self._shared_write_index(request) is not None
             return max(new, 0) + copy
-        need = self.kv.num_blocks_to_allocate(request, num_new_tokens, cached_blocks)
+        need = self.kv.num_blocks_to_allocate(request, num_new_tokens, cached_blocks, num_restored)
         if cached_blocks and self.quotas.active:
             need += self.quotas.unmet_growth_of_sharing(request.lane, cached_blocks)
         return need
@@ -103,19 +106,22 @@ class LaneKVAllocator:
         num_new_tokens: int,
         lane: str,
         cached_blocks: Sequence[int] = (),
+        restore_slots: Sequence[int] = (),
         *,
         block_copies: Optional[list[tuple[int, int]]] = None,
     ) -> Optional[list[int]]:
         """Grow the request's block table to cover `num_new_tokens` more tokens, charged to
         `lane`: the block ids added, or None (nothing changed) if the pool or the lane's room
         lacks them. `cached_blocks` (from `find_cached_prefix`) only on a request's first
-        allocation. If the request's next token goes into a block its sequence group still
+        allocation, and `restore_slots` (from `find_host_prefix`: host-tier hits copied into
+        fresh blocks, charged to `lane` like any new block) with them. If the request's next token goes into a block its sequence group still
         shares, it gets its own copy first, and (src, dst) is appended to `block_copies` (the
         table keeps its length, so the charge does not change)."""
         kv = self.kv
         table = request.block_ids
         held = len(table)
-        if not cached_blocks and held:
+        hits = len(cached_blocks) + len(restore_slots)
+        if not hits and held:
             # A running request (a decode, or its next prefill chunk): the hot path, kept lean.
             new = -(-(request.num_computed_tokens + num_new_tokens) // kv.block_size) - held
             copy_at = None if request.group is None else self._shared_write_index(request)
@@ -132,16 +138,17 @@ class LaneKVAllocator:
             added = table[held:]
             self.quotas.take(lane, added)
             return added
-        copy_at = None if cached_blocks else self._shared_write_index(request)
-        need = kv.num_blocks_to_allocate(request, num_new_tokens, cached_blocks) + (copy_at is not None)
+        copy_at = None if hits else self._shared_write_index(request)
+        need = kv.num_blocks_to_allocate(request, num_new_tokens, cached_blocks, len(restore_slots))
+        need += copy_at is not None
         if cached_blocks and self.quotas.active:
             need += self.quotas.unmet_growth_of_sharing(lane, cached_blocks)
-        covered = request.num_computed_tokens + len(cached_blocks) * kv.block_size + num_new_tokens
+        covered = request.num_computed_tokens + hits * kv.block_size + num_new_tokens
         if not self.fits(need, lane, kv.blocks_for_tokens(covered) - held):
             return None
         if copy_at is not None:
             self._copy(request, copy_at, lane, block_copies)
-        kv.allocate(request, num_new_tokens, cached_blocks)
+        kv.allocate(request, num_new_tokens, cached_blocks, restore_slots)
         self._charge(request, lane, table[held:])
         return table[held:]
 

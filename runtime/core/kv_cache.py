@@ -3,7 +3,8 @@
 Pure Python (no torch): the executor owns the tensors; this module only decides which block
 ids each request's block table holds. Blocks are shared between requests through the prefix
 cache: every *full* block whose K/V has been computed gets a chained hash (hash of the
-previous block's hash and this block's token ids), so a later request whose prompt starts
+previous block's hash and this block's token ids; the first block's parent is seeded by the
+request's LoRA adapter, so KV computed with one adapter is never reused by another), so a later request whose prompt starts
 with the same tokens reuses those blocks instead of recomputing them.
 
 A free block may still hold a cached prefix: it stays findable until the allocator hands it
@@ -12,6 +13,12 @@ out again (least recently freed first), so "free" means "evictable", and
     num_free_blocks + num_used_blocks == num_blocks
 
 holds at all times (`check_invariants()` verifies it and the ref counts).
+
+With a host tier (`engine.kvOffload`, kv_host_tier.py) a cached block evicted for reuse is
+copied to host memory first, and a prefix lookup that misses on the device continues there:
+its hits are copied back into fresh device blocks and count as cached like device hits. The
+copies of the step being planned collect here; the scheduler moves them into the plan
+(`take_transfers`), which the executor performs before the forward pass, offloads first.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from array import array
 from collections import OrderedDict
 from typing import Iterable, Optional, Sequence
 
+from tokenlane.runtime.core.kv_host_tier import HostKVTier
 from tokenlane.runtime.core.request import Request
 
 BlockHash = bytes  # sha256 digest: collision-resistant, so one tenant can't forge another's prefix
@@ -31,6 +39,14 @@ def hash_block(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHa
     h = hashlib.sha256(parent or b"")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def adapter_seed(adapter: Optional[str]) -> Optional[BlockHash]:
+    """The parent hash of a request's first block: None for the base model, a digest of the
+    adapter's name otherwise, so blocks computed with different adapters never match."""
+    if adapter is None:
+        return None
+    return hashlib.sha256(b"tokenlane-lora-adapter\0" + adapter.encode()).digest()
 
 
 class Block:
@@ -47,7 +63,9 @@ class KVCacheManager:
     `num_blocks_to_allocate` / `can_allocate` before `allocate`; `find_cached_prefix` before
     `allocate(..., cached_blocks=...)`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -70,6 +88,14 @@ class KVCacheManager:
         # Free blocks still holding a cached prefix (kept as blocks move, not by a scan: the
         # flight recorder reads it every step).
         self._num_cached_free = 0
+        # The host tier (none without prefix caching: it only keeps prefix-cache blocks).
+        self.host: Optional[HostKVTier] = (
+            HostKVTier(num_host_blocks) if num_host_blocks > 0 and enable_prefix_caching else None
+        )
+        self.host_prefix_hits = 0  # tokens of prefix_hits restored from the host tier
+        # Copies of the step being planned: (device block, host slot) and (host slot, device block).
+        self._offloads: list[tuple[int, int]] = []
+        self._restores: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -99,13 +125,13 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def num_blocks_to_allocate(
-        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (), num_restored: int = 0
     ) -> int:
-        """Free blocks `allocate(request, num_new_tokens, cached_blocks)` would take."""
+        """Free blocks `allocate(request, num_new_tokens, cached_blocks, restore_slots)` would
+        take (`num_restored` = len(restore_slots): each takes a fresh block)."""
         have = len(request.block_ids) + len(cached_blocks)
-        need = self.blocks_for_tokens(
-            request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        )
+        hit_tokens = (len(cached_blocks) + num_restored) * self.block_size
+        need = self.blocks_for_tokens(request.num_computed_tokens + hit_tokens + num_new_tokens)
         # A cached hit that is currently free leaves the free list too.
         revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         return max(0, need - have) + revived
@@ -136,17 +162,46 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def find_host_prefix(self, request: Request, num_device_hits: int, max_tokens: Optional[int] = None) -> list[int]:
+        """Host slots holding the blocks that continue the device hits (`find_cached_prefix`)
+        of the request's prefix, under the same limits; empty without a host tier."""
+        host = self.host
+        if host is None or request.block_ids:
+            return []
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        if max_tokens is not None:
+            num_blocks = min(num_blocks, max_tokens // self.block_size)
+        if num_blocks <= num_device_hits:
+            return []
+        hashes = self._request_hashes(request, num_blocks)
+        slots: list[int] = []
+        for block_hash in hashes[num_device_hits:]:
+            slot = host.lookup(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
     # ------------------------------------------------------------------ actions
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> None:
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached_blocks: Sequence[int] = (),
+        restore_slots: Sequence[int] = (),
+    ) -> None:
         """Grow the request's block table to cover `num_new_tokens` more tokens.
 
-        `cached_blocks` (from `find_cached_prefix`, first schedule only) are shared, and the
-        request's num_computed_tokens / num_cached_tokens advance past them."""
-        assert self.can_allocate(self.num_blocks_to_allocate(request, num_new_tokens, cached_blocks))
+        `cached_blocks` (from `find_cached_prefix`, first schedule only) are shared;
+        `restore_slots` (from `find_host_prefix`, right after them) are copied into fresh
+        blocks; the request's num_computed_tokens / num_cached_tokens advance past both."""
+        assert self.can_allocate(
+            self.num_blocks_to_allocate(request, num_new_tokens, cached_blocks, len(restore_slots))
+        )
         table = request.block_ids
         self._tables[request.request_id] = table
-        if cached_blocks:
+        if cached_blocks or restore_slots:
             assert not table and request.num_computed_tokens == 0, "prefix hits only on first schedule"
             for block_id in cached_blocks:
                 block = self.blocks[block_id]
@@ -155,8 +210,11 @@ class KVCacheManager:
                     self._num_cached_free -= 1  # a prefix hit always carries its hash
                 block.ref_count += 1
                 table.append(block_id)
-            self._registered[request.request_id] = len(cached_blocks)
-            num_cached = len(cached_blocks) * self.block_size
+            if restore_slots:
+                self._restore(request, len(cached_blocks), restore_slots)
+            num_hits = len(cached_blocks) + len(restore_slots)
+            self._registered[request.request_id] = num_hits
+            num_cached = num_hits * self.block_size
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
         need = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
@@ -168,10 +226,59 @@ class KVCacheManager:
         caller checked `can_allocate(1)`."""
         request.block_ids.append(self._take_free_block())
 
-    def record_prefix_query(self, request: Request, cached_blocks: Sequence[int]) -> None:
+    def record_prefix_query(
+        self, request: Request, cached_blocks: Sequence[int], restore_slots: Sequence[int] = ()
+    ) -> None:
         if self.enable_prefix_caching:
             self.prefix_queries += request.num_prompt_tokens
-            self.prefix_hits += len(cached_blocks) * self.block_size
+            self.prefix_hits += (len(cached_blocks) + len(restore_slots)) * self.block_size
+            self.host_prefix_hits += len(restore_slots) * self.block_size
+
+    # ------------------------------------------------------------------ host tier
+
+    def _restore(self, request: Request, first: int, slots: Sequence[int]) -> None:
+        """Fresh blocks for the host hits at table positions `first`..., registered in the
+        prefix cache at once (the copies run before any forward pass reads them)."""
+        host = self.host
+        assert host is not None
+        hashes = self._request_hashes(request, first + len(slots))[first:]
+        for block_hash, slot in zip(hashes, slots):
+            # Pinned before any block is taken: an eviction below must not drop them.
+            assert host.take_for_restore(block_hash) == slot, "host hit moved before its restore"
+        table = request.block_ids
+        for block_hash, slot in zip(hashes, slots):
+            block_id = self._take_free_block()
+            self.blocks[block_id].block_hash = block_hash
+            self._cached.setdefault(block_hash, block_id)
+            table.append(block_id)
+            self._restores.append((slot, block_id))
+
+    def begin_step(self) -> None:
+        """A new plan starts: the previous plan's copies ran."""
+        if self.host is not None:
+            self.host.end_step()
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The planned step's (offloads, restores), handed to its plan."""
+        out = (self._offloads, self._restores)
+        self._offloads, self._restores = [], []
+        return out
+
+    def forget_failed_transfers(self, offloads: Sequence[tuple[int, int]], restores: Sequence[tuple[int, int]]) -> None:
+        """A step failed: its offload copies may be incomplete (the host slots are dropped),
+        and so may its restores (the device blocks stop serving as prefix hits)."""
+        if self.host is not None:
+            self.host.discard(slot for _, slot in offloads)
+        for _, block_id in restores:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            if block.ref_count == 0:
+                self._num_cached_free -= 1
+                self._free.move_to_end(block_id, last=False)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's blocks that became full and computed (each block once)."""
@@ -255,6 +362,10 @@ class KVCacheManager:
             self._num_cached_free -= 1
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                if self.host is not None:  # to the host tier (copied before the block is reused)
+                    slot = self.host.store(block.block_hash)
+                    if slot is not None:
+                        self._offloads.append((block_id, slot))
             block.block_hash = None
         block.ref_count = 1
         return block_id
@@ -266,7 +377,7 @@ class KVCacheManager:
             prompt, output = request.prompt_token_ids, request.output_token_ids
             n_prompt = len(prompt)
             bs = self.block_size
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else adapter_seed(request.adapter)
             for i in range(len(hashes), num_full_blocks):
                 lo, hi = i * bs, (i + 1) * bs
                 if hi <= n_prompt:
@@ -309,6 +420,14 @@ class KVCacheManager:
         )
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash, f"stale cache entry {block_id}"
+        if self.host is not None:
+            self.host.check_invariants()
+            restored = [block_id for _, block_id in self._restores]
+            assert len(set(restored)) == len(restored), "two restores into one device block"
+            for _, block_id in self._restores:  # (pending only while a step is planned)
+                assert self.blocks[block_id].block_hash is not None, (
+                    f"restore target {block_id} was reused in the step it is restored"
+                )
         if live_requests is not None:
             live = {r.request_id: r for r in live_requests if r.block_ids}
             assert set(live) == set(self._tables), (

@@ -200,6 +200,9 @@ class Request:
     deadline: Optional[float] = None  # absolute time.monotonic() by which it must finish
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_id: Optional[int] = None
+    # The LoRA adapter (by name) the request runs with; None = the base model. Part of its
+    # prefix-cache hashes (KV is never shared across adapters) and of the adapter-slot rule.
+    adapter: Optional[str] = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

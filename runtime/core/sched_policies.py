@@ -9,7 +9,10 @@ its one loop; tests/runtime/test_sched_policies.py holds a property test for eac
   requests picked when the previous one has completely finished;
 - `LaneBatches`: per-lane static batching (lane key `continuousBatching: false`): which
   waiting requests join a lane's batch;
-- `ParallelSampling`: whether a sequence group (n > 1) may start: room for all its sequences.
+- `ParallelSampling`: whether a sequence group (n > 1) may start: room for all its sequences;
+- `AdapterSlots`: multi-LoRA's `engine.maxLoras`: at most that many distinct adapters among
+  the running requests (so in any one step), and no waiting adapter starves (its property
+  test is in tests/runtime/test_lora_engine.py).
 
 Pure Python: they read and update `Lane` objects (lanes.py) and plain numbers.
 """
@@ -21,7 +24,7 @@ from collections import deque
 from typing import Callable, Iterable, Optional
 
 from tokenlane.runtime.core.lanes import Lane
-from tokenlane.runtime.core.request import Request
+from tokenlane.runtime.core.request import Request, RequestStatus
 from tokenlane.runtime.core.step_cost import StepCostModel, StepTimeBudget
 
 # stepTimeBudget: the step's cap is this share of the tightest TPOT target of the running
@@ -349,3 +352,66 @@ class ParallelSampling:
             and self.sequences_fit(group_size, lane_running, lane_max_active)
             and fits_blocks(self.blocks_to_start(leader_blocks, group_size))
         )
+
+
+class AdapterSlots:
+    """At most `max_loras` distinct LoRA adapters among the running requests, hence in any one
+    step (the base model, adapter None, takes no slot). A waiting request whose adapter is
+    already running may start; one whose adapter is new starts while a slot is free.
+
+    No starvation: when a request finds every slot taken, it becomes the slot's claimant and
+    the running adapter with the fewest running requests drains (none of its requests start
+    until the claimant has); the slot it frees goes to the claimant, which no other new
+    adapter takes meanwhile. Inside a lane the queue stays FIFO (the scheduler stops the lane
+    at a head that may not start, as for memory)."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.claimant: Optional[Request] = None  # waits for the next free slot
+        self.draining: Optional[str] = None  # adapter that starts nothing until the claimant has
+        self.active: dict[str, int] = {}  # adapter -> running requests (set by `begin`)
+
+    def begin(self, running: Iterable[Request]) -> None:
+        """Count the running requests' adapters (once per admission round)."""
+        active: dict[str, int] = {}
+        for request in running:
+            adapter = request.adapter
+            if adapter is not None and request.status is RequestStatus.RUNNING:
+                active[adapter] = active.get(adapter, 0) + 1
+        self.active = active
+        claimant = self.claimant
+        if claimant is not None and claimant.status is not RequestStatus.WAITING \
+                and claimant.status is not RequestStatus.PREEMPTED:
+            self._release()  # it started, or ended while waiting
+        if self.draining is not None and self.draining not in active:
+            self.draining = None  # drained: its slot is free for the claimant
+
+    def may_start(self, request: Request) -> bool:
+        adapter = request.adapter
+        if adapter is None:
+            return True
+        active = self.active
+        if adapter in active:
+            return adapter != self.draining
+        free = self.max_loras - len(active)
+        claimant = self.claimant
+        if claimant is None or claimant is request:
+            if free > 0:
+                return True
+            if claimant is None:
+                self.claimant = request
+                self.draining = min(active, key=lambda name: (active[name], name))
+            return False
+        return free > 1  # the next free slot is the claimant's
+
+    def started(self, request: Request) -> None:
+        adapter = request.adapter
+        if adapter is None:
+            return
+        self.active[adapter] = self.active.get(adapter, 0) + 1
+        if request is self.claimant:
+            self._release()
+
+    def _release(self) -> None:
+        self.claimant = None
+        self.draining = None

@@ -18,7 +18,9 @@ Every step re-selects the working set from scratch:
    step's token budget, maxActiveSequences, the lane's caps and the KV high watermark allow
    (none in a step that had to preempt: memory is short, and a just-evicted request must
    not bounce straight back). A lane's head that does not fit in the free blocks stops
-   admission for the step (no skipping ahead of it).
+   admission for the step (no skipping ahead of it). With LoRA adapters, at most
+   engine.maxLoras distinct adapters run at once (`AdapterSlots`): a head whose adapter has
+   no slot stops its lane (FIFO), and a drain guarantees it the next free slot.
    Lanes are served by priority, then by weighted fair share (the lane with the smallest
    `tokens served / weight` first); a lane that had startable work but got nothing for
    `starvation_steps` steps in a row goes first once, so no lane with work starves
@@ -27,7 +29,10 @@ Every step re-selects the working set from scratch:
    served / weight first, runtime/core/lanes.py), then earliest deadline, request priority and
    arrival within a tenant.
    A starting request takes the longest cached prefix of its tokens from the prefix cache,
-   except the positions whose logits it needs for prompt logprobs (it computes those).
+   except the positions whose logits it needs for prompt logprobs (it computes those). With
+   a host tier (engine.kvOffload) the prefix continues with the blocks found there, copied
+   back into fresh blocks (the plan's kv_restores) and counted as cached; cached blocks the
+   step's allocations evict go to the host tier (kv_offloads).
 
 The result is a `StepPlan`; the executor's `ExecutorOutput` comes back through
 `update_from_output`, which appends sampled tokens (and their logprobs, and the prompt
@@ -70,6 +75,7 @@ from tokenlane.runtime.core.kv_quotas import LaneKVQuotas
 from tokenlane.runtime.core.lanes import Lane
 from tokenlane.runtime.core.request import Request, RequestStatus
 from tokenlane.runtime.core.sched_policies import (
+    AdapterSlots,
     LaneBatches,
     LaneOrder,
     ParallelSampling,
@@ -94,9 +100,12 @@ class Scheduler:
         max_model_len: Optional[int] = None,
         clock: Callable[[], float] = time.monotonic,
         starvation_steps: int = 32,
+        num_host_kv_blocks: int = 0,
     ) -> None:
         self.clock = clock
-        self.kv = KVCacheManager(num_kv_blocks, block_size, config.engine.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_kv_blocks, block_size, config.engine.enable_prefix_caching, num_host_blocks=num_host_kv_blocks
+        )
         self.block_size = block_size
         self.max_model_len = max_model_len  # finish with LENGTH when prompt + output reach it
         self.static_batching = not config.engine.continuous_batching
@@ -116,6 +125,7 @@ class Scheduler:
         self.batch = StaticBatch()
         self.lane_batches = LaneBatches()  # per-lane static batching
         self.parallel_sampling = ParallelSampling()
+        self.adapter_slots = AdapterSlots(config.engine.lora_slots)  # engine.maxLoras (restart-only)
         # Requests finished since the last plan: the executor drops their state.
         self._finished_for_executor: list[Request] = []
         # Requests finished since the engine last drained them (engine emits final outputs).
@@ -262,6 +272,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         now = self.clock()
         self.last_started = {}
+        self.kv.begin_step()
         self._expire(now)
         if self._running_dirty:
             self._compact_running()
@@ -311,6 +322,7 @@ class Scheduler:
             token_budget = self._admit(token_budget, scheduled, chunks, plan, now)
 
         plan.chunks = chunks
+        plan.kv_offloads, plan.kv_restores = self.kv.take_transfers()
         plan.num_batched_tokens = sched.max_batched_tokens - token_budget
         if plan.chunks:
             self._finished_for_executor = []
@@ -459,6 +471,8 @@ class Scheduler:
             return token_budget
         started: set[str] = set()
         time_denied: list[Lane] = []
+        slots = self.adapter_slots
+        slots.begin(self.running)
         while candidates and token_budget > 0 and self.num_running < max_active:
             lane = lane_order.first(candidates)
             if self.num_running and self._above_watermark(lane.name, high):
@@ -474,6 +488,9 @@ class Scheduler:
                 if not lane.num_waiting:
                     candidates.remove(lane)
                 continue
+            if not slots.may_start(request):
+                candidates.remove(lane)  # its adapter waits for a slot (engine.maxLoras): FIFO in the lane
+                continue
             n = self._start(request, lane, token_budget, prefills, now, from_lane=lane)
             if n is None:
                 budget = self.step_time.budget
@@ -486,6 +503,7 @@ class Scheduler:
                     continue
                 break  # not enough free blocks: stop starting (head-of-line, no skipping)
             scheduled.add(request.request_id)
+            slots.started(request)
             started.add(lane.name)
             if not lane.config.continuous_batching:
                 self.lane_batches.started(lane, request)
@@ -579,22 +597,26 @@ class Scheduler:
         # A request that still needs prompt logprobs computes those positions itself.
         cache_limit = request.max_cached_prefix_tokens
         cached = kv.find_cached_prefix(request, cache_limit)
-        todo = request.num_tokens - len(cached) * self.block_size
+        restore = kv.find_host_prefix(request, len(cached), cache_limit)
+        hit_tokens = (len(cached) + len(restore)) * self.block_size
+        todo = request.num_tokens - hit_tokens
         n = min(todo, lane.budgets.prefill_chunk_size, token_budget, lane.tokens_left)
         starved = lane.starved_steps >= self.lane_order.starvation_steps
-        n = self.step_time.chunk(lane, len(cached) * self.block_size, n, starting=True, starved=starved)
+        n = self.step_time.chunk(lane, hit_tokens, n, starting=True, starved=starved)
         if n <= 0:
             return None
         group = request.group
         starts_group = group is not None and not group.forked and group.leader is request
-        if starts_group and not self._group_fits(group, lane, self.allocator.blocks_needed(request, n, cached)):
+        if starts_group and not self._group_fits(
+            group, lane, self.allocator.blocks_needed(request, n, cached, len(restore))
+        ):
             return None
-        if self.allocator.allocate(request, n, lane.name, cached) is None:
+        if self.allocator.allocate(request, n, lane.name, cached, restore) is None:
             return None
         if from_lane is not None:
             from_lane.pop()
         if first_time and cache_limit != 0:  # a lookup it may not use is not a query
-            kv.record_prefix_query(request, cached)
+            kv.record_prefix_query(request, cached, restore)
         self.step_time.budget.add(request.num_computed_tokens, n)
         self._insert_running(request, lane, now)
         started = self.last_started
@@ -630,16 +652,21 @@ class Scheduler:
         batch = self.batch
         batch.form(self.lanes.values(), self.lane_order, self.sched.max_active_sequences)
         high = self.sched.kv_cache_high_watermark
+        slots = self.adapter_slots
+        slots.begin(self.running)
         while token_budget > 0 and (request := batch.next_waiting()) is not None:
             if self.quotas.active and self.exceeds_lane_capacity(request):
                 self.finish_request(request, RequestStatus.FINISHED_REJECTED, "too_long")
                 continue
             if self.num_running and self._above_watermark(request.lane, high):
                 break
+            if not slots.may_start(request):
+                break  # its adapter waits for a slot (engine.maxLoras)
             lane = self.lanes[request.lane]
             n = self._start(request, lane, token_budget, prefills, now, from_lane=None)
             if n is None:
                 break
+            slots.started(request)
             batch.started(request)
             scheduled.add(request.request_id)
             LaneOrder.charge(lane, n)

@@ -7,7 +7,7 @@ the benchmarks implement it. Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Optional, Protocol
 
 from tokenlane.runtime.core.request import Request
 
@@ -36,6 +36,16 @@ class StepStats:
     num_preemptions: int = 0  # requests preempted in this step
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    prefix_cache_host_hits: int = 0  # of those, tokens restored from the host tier (engine.kvOffload)
+    # The host tier: blocks copied each way in the step, their bytes, the restores' seconds
+    # (None: no restore), and its slots (0 total: no tier).
+    kv_blocks_offloaded: int = 0
+    kv_blocks_restored: int = 0
+    kv_bytes_offloaded: int = 0
+    kv_bytes_restored: int = 0
+    kv_restore_seconds: Optional[float] = None
+    kv_host_blocks_total: int = 0
+    kv_host_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
     kv_usage: float = 0.0  # used / total blocks, 0..1
@@ -46,6 +56,11 @@ class StepStats:
     kv_releases: list[tuple[str, float]] = field(default_factory=list)
     oom_events: int = 0  # executor steps that ran out of accelerator memory (their requests failed)
     lanes: dict[str, LaneStepStats] = field(default_factory=dict)
+    # Multi-LoRA: engine.maxLoras, the KV block size, and per served adapter its (running,
+    # waiting) requests (every served adapter is listed, idle ones at (0, 0)).
+    max_loras: int = 0
+    block_size: int = 0
+    adapters: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class EngineObserver(Protocol):

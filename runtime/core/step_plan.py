@@ -43,6 +43,14 @@ class StepPlan:
     # on write (a sequence about to write into a block its group still shares gets its own
     # copy; see SequenceGroup in request.py). Each dst is a fresh block of this step.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The host-memory tier of the prefix cache (engine.kvOffload; kv_host_tier.py), performed
+    # before the forward pass, every offload before any restore:
+    # (device block, host slot): copy a cached block's K/V (all layers) to the host before the
+    # block is reused in this step;
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    # (host slot, device block): copy a host block back into a fresh device block, which the
+    # step's chunks read as a prefix hit.
+    kv_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -72,6 +80,9 @@ class ExecutorOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Wall (or simulated) seconds the model step took; feeds deadline estimates and metrics.
     step_seconds: float = 0.0
+    # Seconds the plan's kv_restores took until the forward pass could read them (None: no
+    # restores, or not measured).
+    kv_restore_seconds: Optional[float] = None
 
 
 class Executor(Protocol):
@@ -82,6 +93,9 @@ class Executor(Protocol):
     # the server refuses logprobs then). Optional attribute, False when absent.
     # supports_logprobs: bool
     num_kv_blocks: int  # KV pool size the executor allocated (or simulates)
+    # Optional attribute: slots of the host-memory tier (engine.kvOffload) it allocated; 0 or
+    # absent = no tier.
+    # num_host_kv_blocks: int
     eos_token_id: Optional[int]  # None: the model has no EOS (simulated executor)
 
     def execute(self, plan: StepPlan) -> ExecutorOutput:

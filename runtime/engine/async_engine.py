@@ -257,8 +257,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the loop
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Have the step thread look for work now (new requests, a staged change)."""
         self._wakeup.set()
+
+    _wake = wake
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -13,12 +13,15 @@ Two implementations, each built by composition around what runs the steps:
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.core.request import Request
+from tokenlane.runtime.core.startup import StartupPhase
 from tokenlane.runtime.core.stats import EngineObserver, StepStats
+from tokenlane.runtime.engine.adapters import ServedAdapter
 from tokenlane.runtime.engine.async_engine import AsyncEngine, RequestStream
 from tokenlane.runtime.engine.core_client import CoreProcessClient
 from tokenlane.runtime.engine.llm_engine import LLMEngine
@@ -46,6 +49,10 @@ class EngineClient(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def startup_phases(self) -> Sequence[StartupPhase]:
+        """What the engine's start-up took, phase by phase (tokenizer, load, kv, warmup)."""
 
     def clock(self) -> float:
         """The engine's clock (request arrival times and deadlines are on it)."""
@@ -95,6 +102,17 @@ class EngineClient(Protocol):
         """Stage a new config for the next step boundary; RestartRequired (a ValueError) at
         once if a field that needs a restart changed."""
 
+    # -- LoRA adapters (runtime/engine/adapters.py)
+
+    def served_adapters(self) -> list[ServedAdapter]:
+        """The adapters served now, in load order."""
+
+    async def load_adapter(self, name: str, path: str) -> ServedAdapter:
+        """Load and serve an adapter; ValueError naming it if it cannot be (nothing changes)."""
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving an adapter (KeyError if not served); in-flight requests finish with it."""
+
 
 # --------------------------------------------------------------------------- in this process
 
@@ -135,6 +153,10 @@ class InProcessClient:
     def max_model_len(self) -> int:
         return self.llm_engine.max_model_len
 
+    @property
+    def startup_phases(self) -> Sequence[StartupPhase]:
+        return self.llm_engine.startup_phases
+
     def clock(self) -> float:
         return self.llm_engine.clock()
 
@@ -173,6 +195,17 @@ class InProcessClient:
 
     def reload_config(self, new: RuntimeConfig) -> None:
         self.async_engine.reload_config(new)
+
+    def served_adapters(self) -> list[ServedAdapter]:
+        return self.llm_engine.served_adapters()
+
+    async def load_adapter(self, name: str, path: str) -> ServedAdapter:
+        # Off the event loop: it reads (or downloads) the adapter, then waits for a step boundary.
+        return await asyncio.to_thread(self.llm_engine.load_adapter, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        self.llm_engine.unload_adapter(name)
+        self.async_engine.wake()  # its weights go at a step boundary once its requests finish
 
 
 # --------------------------------------------------------------------------- choosing one

@@ -7,13 +7,15 @@ reads the file (through the symlinks) and hashes it (a config is a few KB). A ne
 judged once it read the same on two consecutive ticks (a file caught half-written by a
 non-atomic writer is not judged):
 
-- valid, only reloadable sections (scheduler, lanes, tenants) changed -> the engine applies
+- valid, only reloadable sections (scheduler, lanes, tenants, model.adapters) changed -> the engine applies
   it at its next step boundary; `config_reloads_total{result="success"}` and a log line;
 - not parseable / fails validation -> a log line with the ConfigError message,
   `{result="invalid"}`; the last good config stays in force;
 - model or engine fields changed (the engine refuses it with RestartRequired) -> refused,
   "need a restart", `{result="restart_required"}`;
-- the engine refuses it for another reason -> `{result="error"}`.
+- the engine refuses it for another reason -> `{result="error"}`; among them a LoRA adapter of
+  `model.adapters` that cannot be loaded (the message names it; none of the reload applies,
+  the adapters in force stay: docs/lora.md).
 
 Each distinct content is judged once (a bad file is not re-logged every tick). Polling works
 on every filesystem; kubelet itself updates ConfigMap volumes only about once a minute.

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.config import ConfigError, RuntimeConfig
 from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus
 from tokenlane.runtime.core.stats import EngineObserver, StepStats
@@ -58,9 +58,11 @@ class CoreView:
         self.vocab_size: Optional[int] = ready.vocab_size
         self.supports_logprobs: bool = ready.supports_logprobs
         self.max_model_len: int = ready.max_model_len
+        self.startup_phases: tuple = ready.startup_phases
         self.clock = time.monotonic  # system-wide: the core's clock too
         self.observers: list[EngineObserver] = []
         self.snapshot: StepStats = ready.snapshot  # as of the core's last message
+        self.adapters: tuple = ready.adapters  # ServedAdapter: as of the core's last word on them
 
     def record_rejection(self, request: Request, error: AdmissionError) -> None:
         """A refusal of the API process's own (draining, core down): counted like the core's."""
@@ -75,6 +77,7 @@ class CoreView:
         elif isinstance(event, wire.ConfigApplied):
             if event.ok:
                 self.config, self.max_model_len = event.config, event.max_model_len
+                self.adapters = event.adapters
             self.notify("on_config_applied", event.config, event.ok, event.message)
         else:
             log.error("engine core: unknown observer event %r", type(event).__name__)
@@ -124,6 +127,18 @@ class CoreProcessClient:
         process.start()
         core_commands.close()  # the child holds these ends now: EOF follows its exit
         core_events.close()
+        tokenizer = None
+        if config.engine.executor != "simulated":
+            # While the core imports and loads: on a host with a core to spare the two overlap.
+            from tokenlane.runtime.engine.tokenizer import byte_level_table, load_tokenizer
+
+            try:
+                tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
+                byte_level_table(tokenizer)  # built here, not by the reader's first request
+            except Exception as exc:  # as the core's own load of it would have failed
+                process.kill()
+                process.join(5)
+                raise ValueError(f"{type(exc).__name__}: {exc}") from exc
         try:
             first = wire.decode(events.recv_bytes())
         except (EOFError, OSError):
@@ -135,14 +150,10 @@ class CoreProcessClient:
             raise
         if not isinstance(first, wire.Ready):
             process.join(5)
+            if isinstance(first, wire.LoadFailed) and first.config_error:
+                raise ConfigError(first.message)
             message = first.message if isinstance(first, wire.LoadFailed) else f"unexpected {first!r}"
             raise ValueError(message)
-        tokenizer = None
-        if config.engine.executor != "simulated":
-            from tokenlane.runtime.engine.tokenizer import byte_level_table, load_tokenizer
-
-            tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
-            byte_level_table(tokenizer)  # built here, not by the reader's first request
         return cls(CoreView(config, first, tokenizer), process, commands, events)
 
     # ------------------------------------------------------------------ what is served
@@ -166,6 +177,10 @@ class CoreProcessClient:
     @property
     def max_model_len(self) -> int:
         return self._view.max_model_len
+
+    @property
+    def startup_phases(self) -> tuple:
+        return self._view.startup_phases
 
     def clock(self) -> float:
         return self._view.clock()
@@ -294,6 +309,41 @@ class CoreProcessClient:
         except AdmissionError as exc:  # the core is gone
             raise ValueError(exc.message) from None
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def served_adapters(self) -> list:
+        return list(self._view.adapters)
+
+    async def load_adapter(self, name: str, path: str):
+        reply = await self._adapter_call(wire.AdapterCommand(next(self._call_ids), name, path))
+        if reply.status != 200:
+            raise ValueError(reply.message)
+        return next(a for a in self._view.adapters if a.name == name)
+
+    async def unload_adapter(self, name: str) -> None:
+        reply = await self._adapter_call(wire.AdapterCommand(next(self._call_ids), name, None))
+        if reply.status == 404:
+            raise KeyError(name)
+        if reply.status != 200:
+            raise ValueError(reply.message)
+
+    async def _adapter_call(self, command: wire.AdapterCommand) -> wire.AdapterReply:
+        """A round trip to the core; ValueError if the core is gone."""
+        future = self._loop.create_future()
+        self._calls[command.call] = future
+        try:
+            try:
+                self._send(command)
+            except AdmissionError as exc:
+                raise ValueError(exc.message) from None
+            reply = await future
+        finally:
+            self._calls.pop(command.call, None)
+        if isinstance(reply, wire.Refused):  # the core went away meanwhile
+            raise ValueError(reply.message)
+        self._view.adapters = reply.adapters
+        return reply
+
     # ------------------------------------------------------------------ the pipes
 
     def _send(self, message) -> None:
@@ -353,6 +403,8 @@ class CoreProcessClient:
                     self._call_soon(self._dispatch_outputs, outputs)
             elif isinstance(message, wire.Replies):
                 self._call_soon(self._resolve, message.replies)
+            elif isinstance(message, wire.AdapterReply):
+                self._call_soon(self._resolve, (message,))
             elif isinstance(message, wire.CoreDied):
                 self._call_soon(self._core_gone, f"engine error: {message.message}")
                 return

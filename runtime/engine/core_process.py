@@ -33,7 +33,7 @@ import sys
 import threading
 from typing import Callable, Optional, Union
 
-from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.config import ConfigError, RuntimeConfig
 from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.core.request import Request
 from tokenlane.runtime.core.stats import StepStats
@@ -134,7 +134,8 @@ class EngineCore:
 
     def on_config_applied(self, config: object, ok: bool, message: str) -> None:
         with self._events_lock:
-            self._events.append(wire.ConfigApplied(config, ok, message, self.engine.max_model_len))
+            self._events.append(wire.ConfigApplied(config, ok, message, self.engine.max_model_len,
+                                                   tuple(self.engine.served_adapters())))
 
     # -- sending
 
@@ -199,10 +200,28 @@ class EngineCore:
                 engine.reload_config(message.config)
             except ValueError as exc:  # observers were told (on_config_applied, ok=False)
                 log.warning("config reload refused: %s", exc)
+        elif isinstance(message, wire.AdapterCommand):
+            self._send(self._adapter_command(message))
         elif isinstance(message, wire.Stop):
             self._stopping = True
         else:
             log.error("engine core: unknown command %r", type(message).__name__)
+
+    def _adapter_command(self, command: wire.AdapterCommand) -> wire.AdapterReply:
+        """Load or unload a LoRA adapter (on this thread: a load reads its files here while
+        the step thread goes on serving)."""
+        engine = self.engine
+        try:
+            if command.path is None:
+                engine.unload_adapter(command.name)
+            else:
+                engine.load_adapter(command.name, command.path)
+        except KeyError:
+            return wire.AdapterReply(command.call, 404, f"the LoRA adapter '{command.name}' cannot be found",
+                                     tuple(engine.served_adapters()))
+        except ValueError as exc:
+            return wire.AdapterReply(command.call, 400, str(exc), tuple(engine.served_adapters()))
+        return wire.AdapterReply(command.call, 200, "", tuple(engine.served_adapters()))
 
     def _admit(self, entry: wire.AddRequest) -> Union[wire.Admitted, wire.Refused]:
         """The admitted lanes, or the refusal. `entry.payload` is the request (or the
@@ -258,6 +277,9 @@ def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = lo
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
         engine = LLMEngine.from_config(config, detokenize=False)  # the API process detokenizes
+    except ConfigError as exc:
+        events.send_bytes(wire.encode(wire.LoadFailed(str(exc), config_error=True)))
+        _end_core(1)
     except Exception as exc:
         events.send_bytes(wire.encode(wire.LoadFailed(f"{type(exc).__name__}: {exc}")))
         _end_core(1)
@@ -271,7 +293,9 @@ def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = lo
     gc.collect()
     gc.freeze()  # as the API process does: full collections must not stall the step loop
     core._send(wire.Ready(vocab_size=engine.vocab_size, supports_logprobs=engine.supports_logprobs,
-                          max_model_len=engine.max_model_len, snapshot=engine.snapshot()))
+                          max_model_len=engine.max_model_len, snapshot=engine.snapshot(),
+                          startup_phases=tuple(engine.startup_phases),
+                          adapters=tuple(engine.served_adapters())))
     threading.Thread(target=core.serve_commands, args=(commands,), name="tokenlane-core-commands",
                      daemon=True).start()
     code = 0

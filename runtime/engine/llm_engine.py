@@ -31,12 +31,22 @@ from tokenlane.runtime.core.admission import (
     check_request_shape,
     check_tenant_rate,
 )
-from tokenlane.runtime.config import RuntimeConfig
+from tokenlane.runtime.config import ConfigError, RuntimeConfig
 from tokenlane.runtime.core.step_plan import Executor, ExecutorOutput, StepPlan
 from tokenlane.runtime.core.request import Request, RequestStatus
 from tokenlane.runtime.core.scheduler import Scheduler
+from tokenlane.runtime.core.startup import StartupPhase
 from tokenlane.runtime.core.tenant_limits import TenantRateLimiter
 from tokenlane.runtime.core.stats import EngineObserver, LaneStepStats, StepStats
+from tokenlane.runtime.engine.adapters import (
+    API,
+    CONFIG,
+    AdapterTable,
+    ServedAdapter,
+    adapter_folder,
+    check_adapter_name,
+    info_fields,
+)
 from tokenlane.runtime.engine.output import RequestOutput, TextState
 
 log = logging.getLogger(__name__)
@@ -90,6 +100,10 @@ class RestartRequired(ValueError):
 
 
 class LLMEngine:
+    # What its start-up took (tokenizer, then the executor's load, kv and warmup), as
+    # `from_config` measured it; the server logs and exports them (runtime/core/startup.py).
+    startup_phases: Sequence[StartupPhase] = ()
+
     def __init__(
         self,
         config: RuntimeConfig,
@@ -116,6 +130,8 @@ class LLMEngine:
             executor.block_size,
             max_model_len=self.max_model_len,
             clock=clock,
+            # engine.kvOffload: the host tier's slots the executor allocated (0: none).
+            num_host_kv_blocks=getattr(executor, "num_host_kv_blocks", 0),
         )
         self.limits = AdmissionLimits(self.max_model_len, executor.num_kv_blocks, executor.block_size,
                                       self.vocab_size)
@@ -138,9 +154,18 @@ class LLMEngine:
         self._pending_config: Optional[RuntimeConfig] = None
         self._text: dict[str, TextState] = {}
         self._failures = 0
-        self._prefix_counters = (0, 0)
+        self._prefix_counters = (0, 0, 0)
         self._queued_since_step: dict[str, int] = {}  # lane -> requests queued since the last step
         self.last_step_tokens = 0  # tokens the last step ran (0: nothing was runnable)
+        # LoRA adapters (adapters.py). The executor's adapter calls and its steps take turns
+        # under this lock: an adapter loads from another thread between two steps.
+        self.adapters = AdapterTable()
+        self._executor_lock = threading.Lock()
+        for i, adapter in enumerate(config.model.adapters or ()):
+            try:
+                self.load_adapter(adapter.name, adapter.path, origin=CONFIG)
+            except ValueError as exc:
+                raise ConfigError(f"config.model.adapters[{i}] ({adapter.name}): {exc}") from None
 
     @property
     def vocab_size(self) -> Optional[int]:
@@ -176,8 +201,17 @@ class LLMEngine:
         from tokenlane.runtime.executor.model_executor import ModelExecutor
         from tokenlane.runtime.engine.tokenizer import load_tokenizer
 
+        started = time.perf_counter()
+        first = "transformers" not in sys.modules  # its import is most of this phase's time
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
-        return cls(config, ModelExecutor(config), tokenizer=tokenizer, clock=clock, detokenize=detokenize)
+        loaded = StartupPhase("tokenizer", time.perf_counter() - started,
+                              f"{type(tokenizer).__name__}, {len(tokenizer)} tokens"
+                              + ("; transformers imported" if first else ""))
+        log.info("%s", loaded.log_line())
+        executor = ModelExecutor(config)
+        engine = cls(config, executor, tokenizer=tokenizer, clock=clock, detokenize=detokenize)
+        engine.startup_phases = (loaded, *executor.startup_phases)
+        return engine
 
     # ------------------------------------------------------------------ requests in
 
@@ -227,6 +261,9 @@ class LLMEngine:
                     raise AdmissionError(400, "invalid", f"unknown lane {request.lane!r}; lanes: {names}")
                 request.lane = config.default_lane.name
             budgets = config.lane_budgets(request.lane)
+            if request.adapter is not None and request.adapter not in self.adapters:
+                raise AdmissionError(404, "model_not_found", f"model {request.adapter!r} does not exist "
+                                     f"(adapter not loaded); this server serves {config.model.name!r}")
             rid = request.request_id
             if rid in self._staged_ids or rid in scheduler.requests:
                 raise AdmissionError(400, "invalid", f"request id {rid!r} is already in use")
@@ -260,6 +297,7 @@ class LLMEngine:
             self._staged_per_lane[request.lane] = self._staged_per_lane.get(request.lane, 0) + 1
             for follower in followers:  # the leader's lane; they wait for its prompt
                 follower.lane = request.lane
+                follower.adapter = request.adapter
                 follower.eos_token_id = request.eos_token_id
                 follower.status = RequestStatus.WAITING
                 self._staged.append(follower)
@@ -311,8 +349,123 @@ class LLMEngine:
             for observer in self.observers:
                 observer.on_config_applied(new, False, str(error))
             raise error
+        try:
+            self._reload_adapters(new)
+        except ValueError as exc:
+            for observer in self.observers:
+                observer.on_config_applied(new, False, str(exc))
+            raise
         with self._lock:
             self._pending_config = new
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def adapter_names(self) -> list[str]:
+        """The adapters served now (a request may name any of them as its model)."""
+        return self.adapters.names()
+
+    def served_adapters(self) -> list[ServedAdapter]:
+        return list(self.adapters.served.values())
+
+    def load_adapter(self, name: str, path: str, origin: str = API) -> ServedAdapter:
+        """Load and serve LoRA adapter `name` from a PEFT folder or a source URI. ValueError
+        naming the adapter if the name is taken or invalid, or the executor refuses it (bad
+        files, rank above engine.maxLoraRank, shapes that do not fit the base); nothing changes
+        then. Blocking (file reads, a download): callers off the step thread may call it."""
+        check_adapter_name(name, self.config.model.name)
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already loaded; unload it first or pick another name")
+        if name in self.adapters.unloading:
+            raise ValueError(f"adapter {name!r} is being unloaded (requests still use it); retry when they finish")
+        add = getattr(self.executor, "add_adapter", None)
+        if add is None:
+            raise ValueError(f"adapter {name!r}: this executor serves no LoRA adapters")
+        folder = adapter_folder(name, path, self.config.model)
+        with self._executor_lock:
+            try:
+                info = add(name, folder)
+            except ValueError as exc:
+                message = str(exc)
+                raise ValueError(message if name in message else f"adapter {name!r}: {message}") from None
+            except OSError as exc:
+                raise ValueError(f"adapter {name!r}: cannot read {folder}: {exc}") from None
+        served = ServedAdapter(name, path, origin, **info_fields(info))
+        self.adapters.add(served)
+        log.info("LoRA adapter %s loaded from %s (rank %d, %s)", name, path, served.rank,
+                 ",".join(served.target_modules) or "-")
+        return served
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` (KeyError if not served): new requests naming it get 404 at once;
+        its queued and running requests finish with it, and its weights are dropped at the
+        step boundary after the last of them."""
+        self.adapters.remove(name)
+        log.info("LoRA adapter %s unloaded (weights freed once its requests finish)", name)
+        if not self._adapters_in_use({name}):
+            self._drop_unused_adapters()
+
+    def _adapters_in_use(self, names: set[str]) -> set[str]:
+        """The adapters of `names` that a queued or running request still uses."""
+        used = set()
+        with self._lock:
+            pending = list(self._staged)
+        for request in list(self.scheduler.requests.values()) + pending:
+            if request.adapter in names:
+                used.add(request.adapter)
+        return used
+
+    def _drop_unused_adapters(self) -> None:
+        unloading = self.adapters.unloading
+        if not unloading:
+            return
+        for name in sorted(unloading - self._adapters_in_use(set(unloading))):
+            with self._executor_lock:
+                if name not in unloading:  # another thread dropped it meanwhile
+                    continue
+                unloading.discard(name)
+                remove = getattr(self.executor, "remove_adapter", None)
+                try:
+                    if remove is not None:
+                        remove(name)
+                except Exception:  # its weights may stay; the engine serves on without it
+                    log.exception("freeing LoRA adapter %s failed", name)
+
+    def _reload_adapters(self, new: RuntimeConfig) -> None:
+        """Apply a reload's `model.adapters`: load those it adds, unload those it removes. A
+        bad adapter refuses the whole reload (ValueError naming it; the adapters loaded for
+        it are unloaded again), before anything else of the reload is staged."""
+        before = self.adapters.config_names()
+        wanted = {a.name: a.path for a in new.model.adapters or ()}
+        loaded: list[str] = []
+        adopted: list[str] = []
+        try:
+            for name, path in wanted.items():
+                if before.get(name) == path:
+                    continue
+                served = self.adapters.served.get(name)
+                if name in before:
+                    raise ValueError(f"adapter {name!r}: its path changed ({before[name]} -> {path}); an "
+                                     "adapter is not replaced in place: give the new version a new name")
+                if served is not None:
+                    if served.source != path:
+                        raise ValueError(f"adapter {name!r} is already loaded (through the API) from "
+                                         f"{served.source}; unload it first or pick another name")
+                    adopted.append(name)
+                    continue
+                try:
+                    self.load_adapter(name, path, origin=CONFIG)
+                except ValueError as exc:
+                    raise ValueError(f"model.adapters ({name}): {exc}") from None
+                loaded.append(name)
+        except ValueError:
+            for name in loaded:
+                self.unload_adapter(name)
+            raise
+        for name in adopted:
+            self.adapters.adopt(name)
+        for name in before:
+            if name not in wanted and name in self.adapters:
+                self.unload_adapter(name)
 
     def add_observer(self, observer: EngineObserver) -> None:
         self.observers.append(observer)
@@ -322,7 +475,7 @@ class LLMEngine:
 
     def has_pending_work(self) -> bool:
         """Anything for `step()` to do: requests, or a staged config reload."""
-        return self.has_unfinished_requests() or self._pending_config is not None
+        return self.has_unfinished_requests() or self._pending_config is not None or bool(self.adapters.unloading)
 
     # ------------------------------------------------------------------ the step
 
@@ -340,7 +493,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
-        output = self._execute(plan)
+        with self._executor_lock:
+            output = self._execute(plan)
         t2 = time.perf_counter()
         self._ends_known_at = self.clock()
         got_token = self.scheduler.update_from_output(plan, output)
@@ -348,6 +502,8 @@ class LLMEngine:
         schedule_seconds = (t1 - t0) + (time.perf_counter() - t2)
         outputs = self._outputs(got_token)
         self.last_step_tokens = plan.num_batched_tokens
+        if self.adapters.unloading:
+            self._drop_unused_adapters()
         self._report_step(plan, output, schedule_seconds)
         return outputs
 
@@ -405,6 +561,9 @@ class LLMEngine:
         try:
             output = self.executor.execute(plan)
         except Exception as exc:
+            # The host tier's copies of a failed step may be incomplete: its offloaded slots are
+            # dropped (never re-run: the step may have written the reused blocks since).
+            self.scheduler.kv.forget_failed_transfers(plan.kv_offloads, ())
             if is_out_of_memory(exc):
                 return self._fail_out_of_memory(plan, exc)
             log.exception("executor step of %d chunks failed", len(plan.chunks))
@@ -418,6 +577,7 @@ class LLMEngine:
         the other requests. Not re-run in halves as other failures are: a re-run would most
         likely run out of memory again, and an OOM says nothing about a broken executor."""
         self._oom_events += 1
+        self.scheduler.kv.forget_failed_transfers((), plan.kv_restores)  # their requests fail with the step
         log.error("out of accelerator memory in a step of %d chunks (%d tokens); failing its requests: %s",
                   len(plan.chunks), plan.num_batched_tokens, exc)
         release_cached_accelerator_memory()
@@ -443,16 +603,18 @@ class LLMEngine:
             pending = []
         else:
             pending = [plan.chunks[len(plan.chunks) // 2:], plan.chunks[: len(plan.chunks) // 2]]
-        # The first sub-step repeats the step's block copies and executor clean-up (both
-        # idempotent: a dst is only read past what its sequence has written) in case the
-        # failure came before them.
-        first = {"block_copies": plan.block_copies, "finished": plan.finished, "preempted": plan.preempted}
+        # The first sub-step that runs repeats the step's block copies, host-tier restores and
+        # executor clean-up (all idempotent: a dst is only read past what its sequence has
+        # written; a restore's host slot is pinned until the next plan) in case the failure came
+        # before them.
+        first = {"block_copies": plan.block_copies, "kv_restores": plan.kv_restores, "finished": plan.finished,
+                 "preempted": plan.preempted}
         while pending:
             chunks = pending.pop()
             sub = StepPlan(chunks=chunks, num_batched_tokens=sum(c.num_tokens for c in chunks), **first)
-            first = {}
             try:
                 part = self.executor.execute(sub)
+                first = {}
             except Exception as sub_exc:
                 exc = sub_exc
                 if len(chunks) == 1:
@@ -592,10 +754,17 @@ class LLMEngine:
         stats.num_decode_tokens = decode
         stats.num_preemptions = len(plan.preempted)
         kv = self.scheduler.kv
-        queries, hits = self._prefix_counters
+        queries, hits, host_hits = self._prefix_counters
         stats.prefix_cache_queries = kv.prefix_queries - queries
         stats.prefix_cache_hits = kv.prefix_hits - hits
-        self._prefix_counters = (kv.prefix_queries, kv.prefix_hits)
+        stats.prefix_cache_host_hits = kv.host_prefix_hits - host_hits
+        self._prefix_counters = (kv.prefix_queries, kv.prefix_hits, kv.host_prefix_hits)
+        block_bytes = getattr(self.executor, "kv_bytes_per_block", 0)
+        stats.kv_blocks_offloaded = len(plan.kv_offloads)
+        stats.kv_blocks_restored = len(plan.kv_restores)
+        stats.kv_bytes_offloaded = stats.kv_blocks_offloaded * block_bytes
+        stats.kv_bytes_restored = stats.kv_blocks_restored * block_bytes
+        stats.kv_restore_seconds = output.kv_restore_seconds
         lanes = stats.lanes
         # Plain dicts in the per-chunk loop (256+ chunks a step), LaneStepStats after it.
         lane_prefill: dict[str, int] = {}
@@ -657,15 +826,31 @@ class LLMEngine:
             for name, lane in scheduler.lanes.items()
         }
         with self._lock:
-            for request in self._staged:
-                if request.lane in lanes:
-                    lanes[request.lane].waiting += 1
+            staged = list(self._staged)
+        for request in staged:
+            if request.lane in lanes:
+                lanes[request.lane].waiting += 1
+        served = self.adapters.served
+        adapters: dict[str, tuple[int, int]] = {}
+        if served or self.adapters.unloading:
+            counts = {name: [0, 0] for name in served}
+            for request in list(scheduler.requests.values()) + staged:
+                name = request.adapter
+                if name is not None:
+                    entry = counts.setdefault(name, [0, 0])
+                    entry[0 if request.status is RequestStatus.RUNNING else 1] += 1
+            adapters = {name: (c[0], c[1]) for name, c in counts.items()}
         return StepStats(
+            max_loras=self.config.engine.lora_slots,
+            block_size=kv.block_size,
+            adapters=adapters,
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
             kv_blocks_cached_free=kv.num_cached_free_blocks,
             # Free blocks only lanes below their kvCacheReserved may take (O(lanes)).
             kv_blocks_reserved=min(kv.num_free_blocks, sum(quotas.unmet(name) for name in quotas.reserve)),
             kv_usage=kv.usage,
+            kv_host_blocks_total=kv.host.num_slots if kv.host is not None else 0,
+            kv_host_blocks_used=kv.host.num_used_slots if kv.host is not None else 0,
             lanes=lanes,
         )

@@ -15,6 +15,7 @@ so pickle's trust model holds.
     AddRequests(AddRequest...)  admissions      Ready / LoadFailed   once, after loading
     Abort(request_id, reason, status)           Replies(Admitted | Refused ...)
     Reload(config)                              StepOutputs(outputs, events, snapshot)
+    AdapterCommand(call, name, path)            AdapterReply(call, status, message, adapters)
     Stop()                                      CoreDied(message) / Stopped()
 """
 
@@ -29,7 +30,7 @@ from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.core.request import RequestStatus
 
 # Bump on any change to a message's fields or meaning.
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 _MAGIC = b"TLWM"
 _HEADER = struct.Struct("<4sH")
 
@@ -75,6 +76,16 @@ class Reload:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class AdapterCommand:
+    """Load LoRA adapter `name` from `path` (POST /v1/load_lora_adapter), or unload it
+    (`path` None). `call` pairs the core's AdapterReply with the caller."""
+
+    call: int
+    name: str
+    path: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Stop:
     """End the step loop once no request is left."""
 
@@ -88,11 +99,25 @@ class Ready:
     supports_logprobs: bool
     max_model_len: int
     snapshot: Any  # StepStats
+    startup_phases: tuple = ()  # StartupPhase: the core's tokenizer, load, kv and warmup
+    adapters: tuple = ()  # ServedAdapter: the LoRA adapters served after loading
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadFailed:
     message: str
+    config_error: bool = False  # a ConfigError (e.g. a model.adapters entry): exit 2, not 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterReply:
+    """The answer to an AdapterCommand: status 200 (done), 400 (refused: `message` says
+    why) or 404 (unload of an adapter not served); `adapters` the ones served after it."""
+
+    call: int
+    status: int
+    message: str
+    adapters: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,6 +169,7 @@ class ConfigApplied:
     ok: bool
     message: str
     max_model_len: int
+    adapters: tuple = ()  # ServedAdapter: the LoRA adapters served after it
 
 
 ObserverEvent = Union[StepObserved, RequestFinished, ConfigApplied]

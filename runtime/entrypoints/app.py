@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import logging
+import os
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -56,16 +58,19 @@ from tokenlane.runtime.entrypoints.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoraAdapterRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
-from tokenlane.runtime.entrypoints.routing import Caller, authenticate
+from tokenlane.runtime.entrypoints.routing import AdapterDenied, Caller, authenticate, resolve_model
 from tokenlane.runtime.entrypoints.text_codec import TextCodec
 
 log = logging.getLogger("tokenlane.server")
 
+ADMIN_KEY_ENV = "TOKENLANE_ADMIN_API_KEY"
 JSONL_CONTENT_TYPE = "application/x-ndjson"
 MAX_DUMP_REASON_CHARS = 200
 
@@ -152,6 +157,10 @@ class ServerOptions:
     # Steps the flight recorder keeps (0: no recorder), and where dumps are written.
     flight_recorder_steps: int = DEFAULT_CAPACITY
     dump_dir: Path = dataclasses.field(default_factory=default_dump_dir)
+    # The admin key of POST /v1/load_lora_adapter and /v1/unload_lora_adapter (env
+    # TOKENLANE_ADMIN_API_KEY); None: those endpoints answer 404, as vLLM's do without
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+    admin_api_key: Optional[str] = dataclasses.field(default_factory=lambda: os.environ.get(ADMIN_KEY_ENV) or None)
 
 
 class ServerState:
@@ -327,17 +336,66 @@ def create_app(
     async def caller(request: HTTPRequest) -> Caller:
         return authenticate(state.config, request.headers)
 
+    def model_cards(who: Caller) -> list[ModelCard]:
+        """The base and each adapter the caller may use (vLLM's cards: parent = the base)."""
+        base = state.model_name
+        cards = [ModelCard(id=base, max_model_len=client.max_model_len, root=state.config.model.path)]
+        for adapter in client.served_adapters():
+            if who.may_use_adapter(adapter.name):
+                cards.append(ModelCard(id=adapter.name, max_model_len=client.max_model_len, root=adapter.source,
+                                       parent=base))
+        return cards
+
     @app.get("/v1/models", responses=_errors(401))
     async def models(who: Caller = Depends(caller)):
-        card = ModelCard(id=state.model_name, max_model_len=client.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=model_cards(who)).model_dump()
 
     @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
     async def model(model_id: str, who: Caller = Depends(caller)):
-        if model_id != state.model_name:
-            return error_response(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
-                                  code="model_not_found", param="model")
-        return ModelCard(id=state.model_name, max_model_len=client.max_model_len).model_dump()
+        for card in model_cards(who):
+            if card.id == model_id:
+                return card.model_dump()
+        return error_response(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r} "
+                              "and its adapters (GET /v1/models)", code="model_not_found", param="model")
+
+    # ---- LoRA adapters at runtime (vLLM's endpoints), behind the admin key
+
+    def check_admin(http: HTTPRequest) -> None:
+        key = state.options.admin_api_key
+        if not key:
+            raise APIError(404, f"runtime LoRA adapter loading is off: set {ADMIN_KEY_ENV} to enable it",
+                           type="not_found_error", code="not_found")
+        scheme, _, given = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(401, "this endpoint needs the admin key: 'Authorization: Bearer <admin key>'",
+                           type="authentication_error", code="invalid_admin_key")
+
+    @app.post("/v1/load_lora_adapter", responses={
+        200: {"description": "The adapter is loaded and served", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(400, 401, 404)})
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, http: HTTPRequest):
+        """vLLM's: load a LoRA adapter (a PEFT folder, or an hf:// or s3:// source) and serve it
+        under `lora_name`. Admin key only; 400 with the reason if it cannot be loaded."""
+        check_admin(http)
+        try:
+            await client.load_adapter(body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_adapter", param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses={
+        200: {"description": "The adapter is no longer served", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(400, 401, 404)})
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, http: HTTPRequest):
+        """vLLM's: stop serving a LoRA adapter. New requests for it get 404 at once; its queued
+        and running requests finish, then its weights are freed. Admin key only."""
+        check_admin(http)
+        try:
+            await client.unload_adapter(body.lora_name)
+        except KeyError:
+            raise APIError(404, f"the LoRA adapter '{body.lora_name}' cannot be found", type="not_found_error",
+                           code="model_not_found", param="lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/debug/steps", responses={
         200: {"description": "The flight recorder's steps, oldest first, one JSON object a line",
@@ -374,15 +432,17 @@ def create_app(
                                        "(the server log says why)", code="dump_failed")
         return {"path": str(path), "reason": reason}
 
-    def check_model(name: Optional[str]) -> None:
-        if name is not None and name != state.model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
-                           type="not_found_error", code="model_not_found", param="model")
+    def check_model(name: Optional[str], who: Caller) -> None:
+        try:
+            resolve_model(name, state.model_name, {a.name for a in client.served_adapters()}, who)
+        except AdapterDenied as exc:
+            metrics.record_adapter_denied(exc.tenant, exc.adapter)
+            raise
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404))
     async def tokenize(body: TokenizeRequest, who: Caller = Depends(caller)):
         """vLLM's /tokenize: the ids the server would compute for this prompt or chat."""
-        check_model(body.model)
+        check_model(body.model, who)
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = await asyncio.to_thread(state.codec.encode_chat, messages, body.add_generation_prompt,
@@ -395,7 +455,7 @@ def create_app(
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 401, 404))
     async def detokenize(body: DetokenizeRequest, who: Caller = Depends(caller)):
         """vLLM's /detokenize: the text of token ids (special tokens kept)."""
-        check_model(body.model)
+        check_model(body.model, who)
         vocab = state.vocab_size
         if vocab is not None and body.tokens and max(body.tokens) >= vocab:
             raise APIError(400, f"token id {max(body.tokens)} is out of the vocabulary (size {vocab})",

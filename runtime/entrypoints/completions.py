@@ -54,7 +54,7 @@ from tokenlane.runtime.entrypoints.protocol import (
 )
 from tokenlane.runtime.executor.structured_output import GrammarCompiler, parse_tool_call, tool_call_schema
 from tokenlane.runtime.core.request import FinishReason, Request, SamplingParams, SequenceGroup, sequence_seed
-from tokenlane.runtime.entrypoints.routing import Caller, choose_lane, parse_deadline_ms
+from tokenlane.runtime.entrypoints.routing import AdapterDenied, Caller, choose_lane, parse_deadline_ms, resolve_model
 from tokenlane.runtime.entrypoints.sse import (DONE_EVENT, ClientGone, EventStreamResponse, TextEventTemplate, sse_event,
                                    until_disconnect)
 from tokenlane.runtime.entrypoints.text_codec import TextCodec
@@ -144,9 +144,12 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
                 base_id: str) -> list[_Job]:
     """One engine request per prompt (a batch shares the lane, tenant, deadline and body)."""
     config = state.config
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                       code="model_not_found", param="model")
+    try:
+        adapter = resolve_model(body.model, state.model_name, {a.name for a in state.client.served_adapters()},
+                                caller)
+    except AdapterDenied as exc:
+        state.metrics.record_adapter_denied(exc.tenant, exc.adapter)
+        raise
     want = _Want.of(body, chat)
     if (want.logprobs is not None or want.engine_prompt_logprobs is not None) and not state.supports_logprobs:
         raise APIError(400, "logprobs need the model executor (this server runs the simulated one)",
@@ -179,7 +182,8 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
         raise APIError(400, f"logit_bias: token id {max(logit_bias)} is out of the vocabulary (size {vocab})",
                        code="invalid_token_id", param="logit_bias")
     # A batch goes to one lane, chosen by its longest prompt.
-    lane = choose_lane(config, caller, http.headers, max(len(ids) for ids, _ in prompts))
+    lane = choose_lane(config, caller, http.headers, max(len(ids) for ids, _ in prompts),
+                       model=adapter or state.model_name)
     deadline_ms = parse_deadline_ms(http.headers)
     max_len = state.client.max_model_len
     now = state.client.clock()
@@ -232,6 +236,7 @@ def _build_jobs(state: ServerState, caller: Caller, body, http: HTTPRequest, cha
                 sampling_params=dataclasses.replace(sampling, seed=sequence_seed(body.seed, j)),
                 lane=lane,
                 tenant=caller.tenant,
+                adapter=adapter,
                 priority=body.priority,
                 deadline=None if deadline_ms is None else now + deadline_ms / 1000.0,
                 arrival_time=now,
@@ -345,7 +350,7 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
     if head.first_scheduled_time is not None:
         routing["X-Queue-Delay-Ms"] = f"{(head.first_scheduled_time - head.arrival_time) * 1e3:.2f}"
 
-    model = state.model_name
+    model = head.adapter or state.model_name  # the model the client named, as vLLM answers
     created = int(time.time())
     synthetic = state.codec.tokenizer is None
     want = _Want.of(body, chat)

@@ -629,8 +629,28 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tokenlane"
     max_model_len: Optional[int] = None
+    # vLLM's fields: the base's root is its checkpoint, a LoRA adapter's is its source and its
+    # parent the base's name.
+    root: Optional[str] = None
+    parent: Optional[str] = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter` body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/unload_lora_adapter` body (`lora_int_id` is accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: Optional[int] = None

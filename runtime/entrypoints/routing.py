@@ -13,6 +13,10 @@ Decisions (the HTTP contract is in docs/architecture.md):
   the tenant's `defaultLane`, else the first lane in config order whose `match` rules all hold
   (prompt length bounds, tenant list, exact header values) and that the tenant may use, else
   the default lane (or, when the tenant may not use it, the tenant's first allowed lane).
+- Model. The request's `model` names the base (its served name) or a loaded LoRA adapter;
+  anything else -> 404 `model_not_found`. An adapter the tenant may not use
+  (`tenants[].adapters`) -> the same 404 (as vLLM, the server hides what a caller may not
+  use). Lanes may match on the model name (`match.models`).
 - Deadline. `X-Request-Deadline-Ms`: milliseconds from arrival within which the request must
   finish; a positive integer, else 400.
 """
@@ -35,9 +39,13 @@ class Caller:
     tenant: str  # configured tenant name, or "default"
     allowed_lanes: tuple[str, ...]  # empty = every lane
     default_lane: Optional[str]
+    allowed_adapters: tuple[str, ...] = ()  # empty = every adapter
 
     def may_use(self, lane: str) -> bool:
         return not self.allowed_lanes or lane in self.allowed_lanes
+
+    def may_use_adapter(self, adapter: str) -> bool:
+        return not self.allowed_adapters or adapter in self.allowed_adapters
 
 
 def _lower_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -47,7 +55,36 @@ def _lower_headers(headers: Mapping[str, str]) -> dict[str, str]:
 def _caller_of(tenant: Optional[TenantConfig]) -> Caller:
     if tenant is None:
         return Caller(tenant=DEFAULT_TENANT, allowed_lanes=(), default_lane=None)
-    return Caller(tenant=tenant.name, allowed_lanes=tuple(tenant.lanes), default_lane=tenant.default_lane)
+    return Caller(tenant=tenant.name, allowed_lanes=tuple(tenant.lanes), default_lane=tenant.default_lane,
+                  allowed_adapters=tuple(tenant.adapters or ()))
+
+
+class AdapterDenied(APIError):
+    """The 404 of an adapter that exists but the tenant may not use (counted in metrics)."""
+
+    def __init__(self, model: str, tenant: str, served: str) -> None:
+        super().__init__(404, _not_found_message(model, served), type="not_found_error",
+                         code="model_not_found", param="model")
+        self.adapter = model
+        self.tenant = tenant
+
+
+def _not_found_message(model: str, served: str) -> str:
+    return f"model {model!r} does not exist; this server serves {served!r} and its adapters (GET /v1/models)"
+
+
+def resolve_model(model: Optional[str], base_name: str, adapters, caller: Caller) -> Optional[str]:
+    """The adapter a request's `model` selects (None: the base model, also when `model` is
+    omitted), or APIError 404 `model_not_found` (AdapterDenied when the tenant may not use it).
+    `adapters` is the collection of adapter names being served."""
+    if model is None or model == base_name:
+        return None
+    if model not in adapters:
+        raise APIError(404, _not_found_message(model, base_name), type="not_found_error",
+                       code="model_not_found", param="model")
+    if not caller.may_use_adapter(model):
+        raise AdapterDenied(model, caller.tenant, base_name)
+    return model
 
 
 def authenticate(config: RuntimeConfig, headers: Mapping[str, str]) -> Caller:
@@ -79,9 +116,12 @@ def authenticate(config: RuntimeConfig, headers: Mapping[str, str]) -> Caller:
     return _caller_of(found)
 
 
-def _rule_matches(lane: LaneConfig, caller: Caller, prompt_tokens: int, headers: dict[str, str]) -> bool:
+def _rule_matches(lane: LaneConfig, caller: Caller, prompt_tokens: int, headers: dict[str, str],
+                  model: Optional[str]) -> bool:
     rule = lane.match
     if rule.is_empty:
+        return False
+    if rule.models and model not in rule.models:
         return False
     if rule.min_prompt_tokens is not None and prompt_tokens < rule.min_prompt_tokens:
         return False
@@ -96,9 +136,11 @@ def _rule_matches(lane: LaneConfig, caller: Caller, prompt_tokens: int, headers:
 
 
 def choose_lane(
-    config: RuntimeConfig, caller: Caller, headers: Mapping[str, str], prompt_tokens: int
+    config: RuntimeConfig, caller: Caller, headers: Mapping[str, str], prompt_tokens: int,
+    model: Optional[str] = None,
 ) -> str:
-    """The lane that serves this request, or APIError 400 (unknown lane) / 403 (not allowed)."""
+    """The lane that serves this request, or APIError 400 (unknown lane) / 403 (not allowed).
+    `model` is the model name the request runs (the base's served name or an adapter's)."""
     headers = _lower_headers(headers)
     names = [lane.name for lane in config.lanes]
     asked = headers.get("x-lane", "").strip()
@@ -117,7 +159,7 @@ def choose_lane(
     if caller.default_lane and caller.default_lane in names:
         return caller.default_lane
     for lane in config.lanes:
-        if caller.may_use(lane.name) and _rule_matches(lane, caller, prompt_tokens, headers):
+        if caller.may_use(lane.name) and _rule_matches(lane, caller, prompt_tokens, headers, model):
             return lane.name
     default = config.default_lane.name
     if caller.may_use(default):

@@ -5,7 +5,8 @@ new requests answer 503 with Retry-After at once, in-flight requests finish or a
 when the grace period ends, then the process logs "shutdown complete" and exits 0. A second
 signal exits at once. SIGUSR1 writes a flight recorder dump (recorded steps, metrics, config
 in force) under --dump-dir and logs its path; serving goes on. Once served, the process ends
-without CPython's teardown (see `end_process`).
+without CPython's teardown (see `end_process`). The start-up is logged phase by phase, from
+process start to ready (`startup:` lines, `StartupTimer`, runtime/core/startup.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -31,9 +33,53 @@ from tokenlane.runtime.config import (
     RuntimeConfig,
     load_config,
 )
+from tokenlane.runtime.core.startup import StartupPhase, summary_line
 from tokenlane.runtime.observability.flight_recorder import DEFAULT_CAPACITY, default_dump_dir
 
 log = logging.getLogger("tokenlane.server")
+
+_IMPORTED_AT = time.perf_counter()  # where the process's own start time cannot be read
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process started (Linux: its start time in /proc, in clock ticks
+    since boot); elsewhere since this module was imported."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - _IMPORTED_AT
+
+
+class StartupTimer:
+    """The phases of `tokenlane serve`'s start (runtime/core/startup.py), from process start:
+    each is logged when it ends, and `ready` logs the summary line and sets the
+    tokenlane_startup_phase_seconds gauge."""
+
+    def __init__(self) -> None:
+        self.process_started = time.perf_counter() - process_age_seconds()
+        self.phases: list[StartupPhase] = []
+
+    def add(self, name: str, seconds: float, detail: str = "") -> None:
+        phase = StartupPhase(name, seconds, detail)
+        self.phases.append(phase)
+        log.info("%s", phase.log_line())
+
+    def add_engine(self, started: float, client, own_process: bool) -> None:
+        """The engine's own phases (tokenizer, load, kv, warmup), and what else opening it took."""
+        took = time.perf_counter() - started
+        engine_phases = list(client.startup_phases)
+        self.phases += engine_phases
+        rest = took - sum(p.seconds for p in engine_phases)
+        self.add("engine", max(0.0, rest), "the engine core process's spawn and imports (this process loads "
+                 "the tokenizer meanwhile)" if own_process else "the scheduler and the detokenizer's tables")
+
+    def ready(self, metrics) -> None:
+        total = time.perf_counter() - self.process_started
+        log.info("%s", summary_line(total, self.phases))
+        metrics.set_startup(total, self.phases)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,9 +163,12 @@ class GracefulServer(uvicorn.Server):
     own handling would close the listening socket at once (clients would see connection
     refused, not a 503) and re-raise the signal (exit status -15 instead of 0)."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState,
+                 startup: Optional[StartupTimer] = None, serve_started: float = 0.0) -> None:
         super().__init__(config)
         self.state = state
+        self.startup_timer = startup
+        self.serve_started = serve_started
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._drain_requested = False
         self._dumps: set[asyncio.Task] = set()  # running dump tasks (a reference keeps them alive)
@@ -131,6 +180,11 @@ class GracefulServer(uvicorn.Server):
         except (NotImplementedError, RuntimeError, ValueError):  # no Unix signals, or not the main thread
             log.warning("SIGUSR1 dumps are not available here")
         await super().startup(sockets=sockets)
+        if self.startup_timer is not None and self.started and not self.should_exit:
+            # Sockets bound and the lifespan (engine start) done: /ready answers 200 from here.
+            self.startup_timer.add("serve", time.perf_counter() - self.serve_started,
+                                   "app, heap freeze, engine start, sockets bound")
+            self.startup_timer.ready(self.state.metrics)
 
     def _dump_on_signal(self) -> None:
         """SIGUSR1, on the event loop: the dump itself runs in a worker thread."""
@@ -181,11 +235,13 @@ def freeze_startup_heap() -> None:
 def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> int:
     """`tokenlane serve`; the exit status. A served run ends the process itself
     (`end_process`) unless `exit_when_served` is False; a refused start returns 1 or 2."""
+    startup = StartupTimer()
     args = build_parser().parse_args(argv)
     if args.flight_recorder_steps < 0:
         print("tokenlane serve: --flight-recorder-steps must be 0 (off) or more", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
     try:
         if args.config:
             file_config = load_config(args.config)
@@ -198,14 +254,29 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
     except ConfigError as exc:
         print(f"tokenlane serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    config_s = time.perf_counter() - started
 
-    from tokenlane.runtime.engine.client import open_client
+    # Import: from process start (the interpreter, this module, FastAPI, uvicorn) to the engine's
+    # modules loaded (torch, the kernels); transformers loads with the tokenizer.
+    from tokenlane.runtime.engine.client import InProcessClient, open_client
 
+    if config.engine.executor == "model":
+        import tokenlane.runtime.executor.model_executor  # noqa: F401
+    startup.add("import", time.perf_counter() - startup.process_started - config_s,
+                "interpreter, server and engine modules" + (", torch" if config.engine.executor == "model" else ""))
+    startup.add("config", config_s, args.config or "command line")
+
+    started = time.perf_counter()
     try:
         client = open_client(config)
+    except ConfigError as exc:  # e.g. a model.adapters entry that cannot be loaded
+        print(f"tokenlane serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as exc:
         print(f"tokenlane serve: cannot load {config.model.path}: {exc}", file=sys.stderr)
         return 1
+    startup.add_engine(started, client, own_process=not isinstance(client, InProcessClient))
+    serve_started = time.perf_counter()
     if config.engine.executor == "model":
         # engine.cpuBind: this process's threads and those it starts from now on, the step
         # thread included until it pins itself, keep to the server's CPUs.
@@ -223,7 +294,7 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
     app = create_app(client, args.config, options=options)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, lifespan="on")
-    server = GracefulServer(uv_config, app.state.tokenlane)
+    server = GracefulServer(uv_config, app.state.tokenlane, startup, serve_started)
     freeze_startup_heap()
     server.run()
     code = 0 if client.healthy or app.state.tokenlane.draining else 1

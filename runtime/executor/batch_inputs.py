@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Optional, Sequence
 
 import torch
 
+from tokenlane.kernels.lora import lora_segments
 from tokenlane.runtime.executor.llama import AttentionMetadata
 from tokenlane.runtime.core.step_plan import ScheduledChunk
 from tokenlane.runtime.core.request import Request
@@ -141,7 +143,14 @@ class BatchInputBuilder:
     def release(self, request_id: str) -> None:
         self.block_tables.release(request_id)
 
-    def build(self, chunks: list[ScheduledChunk]) -> BatchInputs:
+    def build(self, chunks: list[ScheduledChunk], adapter_slots: Optional[dict[str, int]] = None,
+              slot_ranks: Sequence[int] = ()) -> BatchInputs:
+        """`adapter_slots`: the slot of each adapter of the step's requests (the LoRA slot table's
+        ranks in `slot_ranks`); the batch's rows are grouped by slot once, for every layer."""
+        if adapter_slots:
+            # Each adapter's rows side by side (a stable sort: base rows first, then by slot), so
+            # that the LoRA products take them as slices of the batch, not gathers.
+            chunks = sorted(chunks, key=lambda c: adapter_slots.get(c.request.adapter, -1))
         if self.sdpa_fresh_prefill:
             paged = [c for c in chunks if c.start > 0]
             fresh = [c for c in chunks if c.start == 0]
@@ -163,9 +172,14 @@ class BatchInputBuilder:
         prompt_targets: list[int] = []
         prompt_ks: list[int] = []
         prompt_spans: list[tuple[str, int, int]] = []
+        lora_runs: Optional[list[tuple[int, int, int]]] = [] if adapter_slots else None
         offset = 0
         for c in ordered:
             request, n, start = c.request, c.num_tokens, c.start
+            if lora_runs is not None:
+                adapter = request.adapter
+                if adapter is not None:
+                    lora_runs.append((offset, n, adapter_slots[adapter]))
             blocks = request.block_ids
             row = rows_get(request.request_id)
             if row is None or known_get(request.request_id) != blocks:
@@ -229,6 +243,7 @@ class BatchInputBuilder:
             all_seq_lens=seq_lens,
             all_query_lens=query_lens,
             backend=self.backend,
+            lora=lora_segments(lora_runs, len(token_ids), slot_ranks, dev) if lora_runs else None,
         )
         return BatchInputs(
             input_ids=flat[0],

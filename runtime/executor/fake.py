@@ -5,11 +5,21 @@ prefix-cache hit, must reproduce exactly the same output), and it keeps a preten
 every computed position writes its token id into the slot its block table names, and every
 chunk checks that the whole context before it reads back as the request's own tokens. A
 wrong block table, a prefix-cache hit on the wrong block, a block shared while written, or a
-chunk that skips or repeats positions fails loudly.
+chunk that skips or repeats positions fails loudly. With `num_host_kv_blocks` it keeps a
+pretend host tier too: the plan's kv_offloads copy a block's slots out, its kv_restores copy
+them back (offloads first, as the model executor does), so a restore of the wrong block fails
+the same check.
 
 It returns logprobs too (`fake_logprob(position, token)`), and checks that a request that
 asks for prompt logprobs never starts a chunk past a prompt position whose logprob it does
 not have yet (it must not have taken those positions from the prefix cache).
+
+LoRA adapters: `add_adapter(name, folder)` validates a PEFT folder as the model executor does
+for its files and config (`check_adapter_folder`: adapter_config.json readable, a LoRA, rank
+<= maxLoraRank, target modules among q, k, v, o, gate, up, down, the weights file present)
+and keeps no weights. Each KV slot remembers the adapter it was computed with, so KV shared
+across adapters fails the same check, and a step with more than `max_loras` distinct adapters
+fails loudly.
 
 `StepGate` holds any executor's steps on demand (server tests use it to keep a request
 running, or queued, for as long as an assertion needs).
@@ -17,8 +27,11 @@ running, or queued, for as long as an assertion needs).
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import zlib
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from tokenlane.runtime.core.step_plan import ExecutorOutput, StepPlan
@@ -33,6 +46,52 @@ def fake_logprob(position: int, token: int) -> TokenLogprob:
     """The fake logprob of `token` at `position` (a function of both only, so a
     recomputation or another batch gives the same value)."""
     return TokenLogprob(token, -(zlib.crc32(f"{position}:{token}".encode()) % 1000) / 100.0, 1, ())
+
+
+# PEFT module names -> the short names engine.maxLoraRank's docs use.
+_PEFT_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
+                 "up_proj": "up", "down_proj": "down"}
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    rank: int
+    target_modules: tuple[str, ...]
+    bytes: int
+
+
+def check_adapter_folder(name: str, folder: str, max_rank: int) -> AdapterInfo:
+    """The checks of a PEFT LoRA folder that need no model: ValueError naming the adapter."""
+    config_path = os.path.join(folder, "adapter_config.json")
+    weights = os.path.join(folder, "adapter_model.safetensors")
+    if not os.path.isdir(folder):
+        raise ValueError(f"adapter {name!r}: {folder} is not a folder")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            adapter_config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"adapter {name!r}: cannot read {config_path}: {exc}") from None
+    if not isinstance(adapter_config, dict) or adapter_config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"adapter {name!r}: {config_path} does not describe a LoRA adapter")
+    rank = adapter_config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"adapter {name!r}: rank r={rank!r} in {config_path} is not a positive integer")
+    if rank > max_rank:
+        raise ValueError(f"adapter {name!r}: rank {rank} exceeds engine.maxLoraRank ({max_rank})")
+    modules = adapter_config.get("target_modules") or []
+    if isinstance(modules, str):
+        modules = [modules]
+    short = []
+    for module in modules:
+        key = _PEFT_MODULES.get(str(module).rsplit(".", 1)[-1])
+        if key is None:
+            raise ValueError(f"adapter {name!r}: target module {module!r} is not one of "
+                             f"{sorted(_PEFT_MODULES)}")
+        short.append(key)
+    if not os.path.isfile(weights):
+        raise ValueError(f"adapter {name!r}: {weights} is missing")
+    return AdapterInfo(name, rank, tuple(short), os.path.getsize(weights))
 
 
 class FakeExecutor:
@@ -51,8 +110,18 @@ class FakeExecutor:
         step_seconds: float | Callable[[StepPlan], float] = 0.01,
         check_kv: bool = True,
         token_fn: Optional[Callable[[str, int], int]] = None,
+        num_host_kv_blocks: int = 0,
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.adapters: dict[str, AdapterInfo] = {}
+        self.max_adapters_in_a_step = 0
+        self.unloaded_adapter_used = False
+        self.num_host_kv_blocks = num_host_kv_blocks
+        self.host_slots: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_host_kv_blocks)]
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -60,7 +129,8 @@ class FakeExecutor:
         self.step_seconds = step_seconds
         self.check_kv = check_kv
         self.token_fn = token_fn or (lambda rid, pos: fake_token(rid, pos, vocab_size))
-        self.slots: list[Optional[int]] = [None] * (num_kv_blocks * block_size)
+        # Each slot holds (adapter, token id) of the position computed into it.
+        self.slots: list[Optional[tuple]] = [None] * (num_kv_blocks * block_size)
         self.plans: list[StepPlan] = []
         self.dropped: set[str] = set()  # request ids the executor was told had finished
         self.fail_next: Optional[Exception] = None  # raise this from the next execute()
@@ -72,11 +142,22 @@ class FakeExecutor:
         self.plans.append(plan)
         for request in plan.finished:
             self.dropped.add(request.request_id)
+        bs = self.block_size
+        for block, slot in plan.kv_offloads:
+            self.host_slots[slot] = self.slots[block * bs : (block + 1) * bs]
+        for slot, block in plan.kv_restores:
+            self.slots[block * bs : (block + 1) * bs] = self.host_slots[slot]
         for src, dst in plan.block_copies:
-            bs = self.block_size
             self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
         output = ExecutorOutput()
         written: set[int] = set()
+        step_adapters = {c.request.adapter for c in plan.chunks if c.request.adapter is not None}
+        # Recorded before the checks: the engine re-runs a failed step in halves, which would pass.
+        self.max_adapters_in_a_step = max(self.max_adapters_in_a_step, len(step_adapters))
+        missing = step_adapters - set(self.adapters)
+        self.unloaded_adapter_used = self.unloaded_adapter_used or bool(missing)
+        assert len(step_adapters) <= self.max_loras, f"{len(step_adapters)} adapters in one step: {step_adapters}"
+        assert not missing, f"step uses adapters that are not loaded: {missing}"
         for chunk in plan.chunks:
             request = chunk.request
             end = chunk.start + chunk.num_tokens
@@ -118,17 +199,33 @@ class FakeExecutor:
         bs = self.block_size
         tokens = request.all_token_ids
         table = request.block_ids
+        adapter = request.adapter
         for pos in range(start, end):
             slot = table[pos // bs] * bs + pos % bs
             assert slot not in written, f"slot {slot} written twice in one step"
             written.add(slot)
-            self.slots[slot] = tokens[pos]
+            self.slots[slot] = (adapter, tokens[pos])
         for pos in range(end):  # the whole context must read back as this request's tokens
             slot = table[pos // bs] * bs + pos % bs
-            assert self.slots[slot] == tokens[pos], (
+            assert self.slots[slot] == (adapter, tokens[pos]), (
                 f"{request.request_id}: KV of position {pos} holds {self.slots[slot]}, "
-                f"expected {tokens[pos]}"
+                f"expected {(adapter, tokens[pos])}"
             )
+
+    # ---- LoRA adapters (no weights: the folder is checked, nothing is kept)
+
+    def add_adapter(self, name: str, folder: str) -> AdapterInfo:
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already loaded")
+        info = check_adapter_folder(name, folder, self.max_lora_rank)
+        self.adapters[name] = info
+        return info
+
+    def remove_adapter(self, name: str) -> None:
+        del self.adapters[name]
+
+    def adapter_names(self) -> list[str]:
+        return list(self.adapters)
 
 
 def make_config(

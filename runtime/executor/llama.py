@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenlane.kernels import api as kernels
+from tokenlane.kernels.lora import LoraSegments
 from tokenlane.runtime.executor.cpu_dense import PrepackedLinear, detect_cpu_matmul_support, prepack_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -250,6 +251,7 @@ class AttentionMetadata:
     all_query_lens: list[int]  # query length of every sequence (paged then fresh)
     backend: str = "auto"  # attention backend for kernels.api
     sdpa_fresh_prefill: bool = True  # use SDPA for fresh prefills (torch backend only)
+    lora: Optional[LoraSegments] = None  # the step's adapter rows by slot; None: no adapter rows
 
 
 # --------------------------------------------------------------------------- layers
@@ -278,6 +280,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = args.head_dim**-0.5
+        # An fp8 KV cache's per-layer scales (K = stored value * k_scale), fixed before serving
+        # (runtime/executor/model_executor.py); 1 for other caches.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        # LoRA slot tensors of qkv_proj and o_proj (runtime/executor/lora.py), when adapters are on.
+        self.lora_qkv = None
+        self.lora_o = None
 
     def forward(
         self,
@@ -289,6 +298,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.lora_qkv is not None:  # each of q, k and v adds its delta into its own columns
+            self.lora_qkv.apply(qkv, x, meta.lora, meta.backend)
         # q and k are adjacent columns of qkv: one in-place rotation covers both heads' sets.
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -297,15 +308,17 @@ class Attention(nn.Module):
         if not kernels.rope_write_kv(qkv, self.num_heads, self.num_kv_heads, cos, sin, key_cache, value_cache,
                                      meta.slot_mapping, backend=meta.backend):  # one C call on the CPU
             apply_rope_(qk, cos, sin)
-            kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
+            kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
 
         out = torch.empty((T, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         n_paged = meta.num_paged_tokens
         if n_paged:
             q_paged = q[:n_paged]
-            if meta.backend == "triton" and q.dtype != key_cache.dtype:
+            if meta.backend == "triton" and q.dtype != key_cache.dtype and key_cache.element_size() > 1:
                 # A float32-compute model over a lower-precision cache (runtime/executor/cpu_dense.py):
                 # the Triton kernels take one dtype; the torch paths upcast the cache instead.
+                # (An fp8 cache is widened to the query's dtype inside the kernel.)
                 q_paged = q_paged.to(key_cache.dtype)
             kernels.paged_attention(
                 q_paged,
@@ -319,6 +332,8 @@ class Attention(nn.Module):
                 backend=meta.backend,
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         start = n_paged
         for q_len in meta.fresh_query_lens:
@@ -332,7 +347,11 @@ class Attention(nn.Module):
             )
             out[start:end] = o[0].transpose(0, 1)
             start = end
-        return self.o_proj(out.view(T, self.q_size))
+        attended = out.view(T, self.q_size)
+        y = self.o_proj(attended)
+        if self.lora_o is not None:
+            self.lora_o.apply(y, attended, meta.lora, meta.backend)
+        return y
 
 
 class MLP(nn.Module):
@@ -341,10 +360,20 @@ class MLP(nn.Module):
         self.intermediate_size = args.intermediate_size
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        # LoRA slot tensors of gate_up_proj and down_proj (runtime/executor/lora.py), when adapters are on.
+        self.lora_gate_up = None
+        self.lora_down = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, lora: Optional[LoraSegments] = None, backend: str = "auto") -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.lora_gate_up is not None:
+            self.lora_gate_up.apply(gate_up, x, lora, backend)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        hidden = F.silu(gate).mul_(up)
+        y = self.down_proj(hidden)
+        if self.lora_down is not None:
+            self.lora_down.apply(y, hidden, lora, backend)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -358,7 +387,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin_signed, kv_cache, meta):
         # Residual adds into the sublayers' fresh outputs (a + x == x + a exactly).
         h = self.self_attn(self.input_layernorm(x), cos, sin_signed, kv_cache, meta).add_(x)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        return self.mlp(self.post_attention_layernorm(h), meta.lora, meta.backend).add_(h)
+
+
+def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, initialized as its own reset_parameters does except on the meta device
+    (from_pretrained builds there): there `normal_` runs a Python decomposition that imports
+    torch._dynamo, most of a second of start-up for a tensor the checkpoint overwrites."""
+    weight = torch.empty(num_embeddings, dim)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(num_embeddings, dim, _weight=weight)
 
 
 class CausalLM(nn.Module):
@@ -367,12 +406,15 @@ class CausalLM(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = _embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
         self.rotary: Optional[RotaryEmbedding] = None  # set by from_pretrained (needs a device)
+        self.weights_loaded: Optional[WeightsLoaded] = None  # set by from_pretrained
+        # KV-cache scale tensors of the checkpoint by weight name (load_weights; kv_cache_scales).
+        self.checkpoint_kv_scales: dict[str, torch.Tensor] = {}
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
@@ -429,12 +471,27 @@ class CausalLM(nn.Module):
         model = model.to_empty(device=device).to(dtype)
         model.tie_weights()
         model.rotary = RotaryEmbedding(hf_config, args.head_dim, args.max_position_embeddings, device)
-        model.load_weights(path)
+        model.weights_loaded = model.load_weights(path)
         if weight_dtype is not None and weight_dtype != dtype:
             model.round_weights(weight_dtype)
         if prepack and device.type == "cpu":
             model.prepack_linears()
         return model.eval()
+
+    def attach_lora(self, slots) -> None:
+        """Add the LoRA deltas of `slots` (runtime/executor/lora.py's LoraSlots) to q, k, v, o,
+        gate, up and down of every layer, for the rows `meta.lora` gives a slot."""
+        for layer, projections in zip(self.layers, slots.layers):
+            layer.self_attn.lora_qkv, layer.self_attn.lora_o = projections["qkv_proj"], projections["o_proj"]
+            layer.mlp.lora_gate_up, layer.mlp.lora_down = projections["gate_up_proj"], projections["down_proj"]
+
+    def set_kv_cache_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Per-layer (k_scale, v_scale) of an fp8 KV cache: what its writes divide by and its
+        reads multiply by. Fixed before serving (CUDA graphs record them as constants)."""
+        if len(scales) != len(self.layers):
+            raise ValueError(f"{len(scales)} KV-cache scale pairs for {len(self.layers)} layers")
+        for layer, (k_scale, v_scale) in zip(self.layers, scales):
+            layer.self_attn.k_scale, layer.self_attn.v_scale = float(k_scale), float(v_scale)
 
     def use_native_norms(self, enabled: bool = True) -> None:
         """Float32 and bf16 RMSNorms through the C kernel (kernels/cpu_native.py): one call
@@ -474,7 +531,11 @@ class CausalLM(nn.Module):
         for param in self.parameters():
             param.copy_(param.to(weight_dtype))
 
-    def load_weights(self, path: str | Path) -> None:
+    def load_weights(self, path: str | Path) -> "WeightsLoaded":
+        """Read the checkpoint's safetensors files into the parameters. safetensors maps each
+        file (copy-on-write); a weight the model keeps as stored (same dtype, not fused into
+        qkv_proj/gate_up_proj) on the CPU becomes a view of that map instead of a copy, so its
+        pages come from the page cache when first touched."""
         from safetensors import safe_open
 
         folder = Path(path)
@@ -489,16 +550,22 @@ class CausalLM(nn.Module):
             raise ValueError(f"no *.safetensors weights in {str(folder)!r}")
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        self.checkpoint_kv_scales = {}
         fused = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
         a = self.args
         qkv_sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
         mlp_sizes = [a.intermediate_size, a.intermediate_size]
+        read_bytes = mapped_bytes = 0
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     tensor = f.get_tensor(name)
+                    read_bytes += tensor.nbytes
                     key = name[len("model."):] if name.startswith("model.") else name
                     if "rotary_emb" in key:
+                        continue
+                    if kv_scale_kind(key) is not None:  # an fp8 KV cache's scale (kv_cache_scales)
+                        self.checkpoint_kv_scales[name] = tensor
                         continue
                     parts = key.split(".")
                     proj = parts[-2] if len(parts) >= 2 else ""
@@ -519,7 +586,12 @@ class CausalLM(nn.Module):
                         raise ValueError(f"unexpected weight {name!r} in {file.name}")
                     if param.shape != tensor.shape:
                         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                    param.data.copy_(tensor)
+                    if (param.device.type == "cpu" and tensor.dtype == param.dtype
+                            and tensor.data_ptr() % tensor.element_size() == 0):
+                        param.data = tensor  # the file's map itself (the map lives as long as the tensor)
+                        mapped_bytes += tensor.nbytes
+                    else:
+                        param.data.copy_(tensor)
                     loaded.add(key)
         missing = []
         for pname, param in self.named_parameters():
@@ -533,6 +605,71 @@ class CausalLM(nn.Module):
             pass  # a checkpoint may store the tied head too; it is the same tensor
         if missing:
             raise ValueError(f"checkpoint {str(folder)!r} is missing weights: {missing[:8]}")
+        return WeightsLoaded(files=len(files), bytes=read_bytes, mapped_bytes=mapped_bytes)
+
+
+@dataclass(frozen=True)
+class WeightsLoaded:
+    """What `CausalLM.load_weights` read: safetensors files, bytes, and the bytes kept as views
+    of the files' memory maps (no copy)."""
+
+    files: int
+    bytes: int
+    mapped_bytes: int
+
+
+# Per-layer KV-cache scale names a checkpoint may hold (after `layers.N.`), as vLLM reads them:
+# `self_attn.k_scale` / `v_scale`, ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`, and the
+# older single `kv_scale` (for K and V both).
+KV_SCALE_NAMES = {
+    "self_attn.k_scale": "k",
+    "self_attn.v_scale": "v",
+    "self_attn.k_proj.k_scale": "k",
+    "self_attn.v_proj.v_scale": "v",
+    "self_attn.kv_scale": "kv",
+}
+
+
+def kv_scale_kind(key: str) -> Optional[tuple[int, str]]:
+    """(layer, "k" | "v" | "kv") of a KV-scale weight name (without `model.`), else None."""
+    parts = key.split(".")
+    if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit():
+        return None
+    kind = KV_SCALE_NAMES.get(".".join(parts[2:]))
+    return None if kind is None else (int(parts[1]), kind)
+
+
+def kv_cache_scales(checkpoint_scales: dict[str, torch.Tensor], num_layers: int) -> Optional[list[tuple[float, float]]]:
+    """Per-layer (k_scale, v_scale) from a checkpoint's scale tensors (`CausalLM.load_weights`
+    keeps them as `checkpoint_kv_scales`), or None where it has none. Scales that do not match
+    the layers (a layer without its K or V scale, a layer the model lacks, a tensor of more
+    than one element, a value that is not positive and finite) raise ValueError naming the
+    weight."""
+    if not checkpoint_scales:
+        return None
+    found: dict[tuple[int, str], float] = {}
+    for name, tensor in sorted(checkpoint_scales.items()):
+        key = name[len("model."):] if name.startswith("model.") else name
+        layer, kind = kv_scale_kind(key)
+        if layer >= num_layers:
+            raise ValueError(f"KV-cache scale {name!r} names layer {layer}, but the model has {num_layers} layers")
+        if tensor.numel() != 1:
+            raise ValueError(f"KV-cache scale {name!r} must be one number (a per-layer scale), "
+                             f"got shape {tuple(tensor.shape)}")
+        value = float(tensor.float().reshape(()))
+        if not (value > 0 and value != float("inf")):
+            raise ValueError(f"KV-cache scale {name!r} must be positive and finite, got {value}")
+        for part in ("k", "v") if kind == "kv" else (kind,):
+            if kind == "kv":  # the older single scale; a layer's own k_scale / v_scale win
+                found.setdefault((layer, part), value)
+            else:
+                found[(layer, part)] = value
+    missing = [f"model.layers.{i}.self_attn.{part}_scale" for i in range(num_layers) for part in ("k", "v")
+               if (i, part) not in found]
+    if missing:
+        raise ValueError(f"the checkpoint has KV-cache scales for some layers but not {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return [(found[(i, "k")], found[(i, "v")]) for i in range(num_layers)]
 
 
 def kv_cache_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -554,7 +691,9 @@ __all__ = [
     "CausalLM",
     "ModelArgs",
     "RotaryEmbedding",
+    "WeightsLoaded",
     "kv_cache_bytes_per_block",
+    "kv_cache_scales",
     "load_hf_config",
     "math_flops_per_token",
     "model_args_from_hf",

@@ -1,12 +1,18 @@
 """The model executor: a StepPlan in, sampled tokens out.
 
-Per step it applies the plan's block copies (parallel sampling's copy on write), lays all
+Per step it performs the plan's host-tier copies (engine.kvOffload: offloads, then restores;
+runtime/executor/kv_host_pool.py) and block copies (parallel sampling's copy on write), lays all
 scheduled chunks out as one flat batch (token ids, positions, slot mapping, block tables,
 sequence and query lengths), runs the model once, computes logits only for the positions
 that sample, and samples.
 
 It owns the device, the weights and the paged KV pool; the scheduler owns which blocks
 each request holds (`request.block_ids`), the executor only reads and writes them.
+
+LoRA adapters (runtime/executor/lora.py): `add_adapter` / `remove_adapter` / `adapter_names`
+keep checked PEFT adapters in host memory; each step makes the adapters of its requests
+resident in the slot table (engine.maxLoras slots, reserved before the KV pool is sized), and
+the model adds their deltas to the rows of their requests in the same forward pass.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ import torch
 
 from tokenlane.kernels import cpu_native
 from tokenlane.kernels.api import fresh_prefill_through_cache, resolve_backend
+from tokenlane.kernels.reference import is_fp8
 from tokenlane.runtime.executor.batch_inputs import BatchInputBuilder, chunk_token_ids
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.executor.cpu_dense import select_compute_dtype
 from tokenlane.runtime.executor.cpu_placement import bind_compute_threads, placement_for
 from tokenlane.runtime.executor.cuda_graphs import make_decode_runner
-from tokenlane.runtime.executor.llama import AttentionMetadata, CausalLM, kv_cache_bytes_per_block
+from tokenlane.runtime.executor.kv_host_pool import make_host_pool
+from tokenlane.runtime.executor.lora import AdapterInfo, HostAdapter, LoraSlots, load_peft_adapter
+from tokenlane.runtime.executor.llama import AttentionMetadata, CausalLM, kv_cache_bytes_per_block, kv_cache_scales
+from tokenlane.runtime.core.startup import StartupPhase
 from tokenlane.runtime.core.step_plan import ExecutorOutput, ScheduledChunk, StepPlan
 from tokenlane.runtime.core.request import TokenLogprob
 from tokenlane.runtime.executor.sampler import Sampler, argmax_only, make_generator
@@ -109,9 +119,58 @@ def _madvise_huge(address: int, length: int) -> None:
         log.debug("no madvise: %s", exc)
 
 
-def select_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """engine.kvCacheDtype: auto = the model's dtype."""
-    return model_dtype if name == "auto" else getattr(torch, name)
+KV_CACHE_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+# The Triton kernels' fp8 conversions: e4m3 needs Ada/Hopper (sm_89+), e5m2 Ampere (sm_80+).
+FP8_MIN_CUDA_CAPABILITY = {torch.float8_e4m3fn: (8, 9), torch.float8_e5m2: (8, 0)}
+
+
+def select_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.dtype:
+    """engine.kvCacheDtype: auto = the model's dtype. With `device`, an fp8 dtype the device
+    cannot store and convert is refused (ValueError naming kvCacheDtype)."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"engine.kvCacheDtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    dtype = KV_CACHE_DTYPES[name]
+    if device is not None and is_fp8(dtype):
+        check_fp8_kv_cache(name, dtype, torch.device(device))
+    return dtype
+
+
+def check_fp8_kv_cache(name: str, dtype: torch.dtype, device: torch.device) -> None:
+    if device.type == "cuda":
+        if torch.version.hip and dtype == torch.float8_e4m3fn:
+            raise ValueError(f"engine.kvCacheDtype {name!r}: ROCm GPUs store e4m3 as float8_e4m3fnuz, which "
+                             "the kernels do not take; use fp8_e5m2 or bfloat16")
+        need = FP8_MIN_CUDA_CAPABILITY[dtype]
+        have = torch.cuda.get_device_capability(device)
+        if tuple(have) < need:
+            raise ValueError(
+                f"engine.kvCacheDtype {name!r} needs a GPU of compute capability {need[0]}.{need[1]} or "
+                f"newer (fp8 conversions); {torch.cuda.get_device_name(device)} is {have[0]}.{have[1]}: "
+                f"use bfloat16{' or fp8_e5m2' if dtype != torch.float8_e5m2 and tuple(have) >= (8, 0) else ''}")
+    try:
+        probe = torch.tensor([1.5, -3.0], device=device).to(dtype).float().tolist()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        raise ValueError(f"engine.kvCacheDtype {name!r}: this torch build cannot store {dtype} on {device} ({exc})") from exc
+    if probe != [1.5, -3.0]:
+        raise ValueError(f"engine.kvCacheDtype {name!r}: {dtype} does not round-trip on {device} (got {probe})")
+
+
+# Computed fp8 scales (a checkpoint without k_scale / v_scale): one forward pass at start-up over
+# a fixed prompt, before the pool exists; per layer, scale = amax * headroom / the format's max,
+# so values up to `headroom` times the calibration's largest still fit without saturating.
+FP8_CALIBRATION_TOKENS = 256
+FP8_SCALE_HEADROOM = 2.0
+
+
+def calibration_token_ids(num_tokens: int, vocab_size: int) -> list[int]:
+    """The fixed calibration prompt: ids spread over the whole vocabulary (a stride prime to
+    any vocabulary size), the same on every start."""
+    return [(1 + 7919 * i) % vocab_size for i in range(num_tokens)]
 
 
 def select_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -156,9 +215,13 @@ class ModelExecutor:
         # On a CPU without native bf16/fp16 matmul the dense layers compute in float32; the KV
         # cache below keeps the model dtype (runtime/executor/cpu_dense.py).
         self.compute_dtype = select_compute_dtype(config.engine.cpu_compute_dtype, self.dtype, self.device)
+        started = time.perf_counter()
         self.model = CausalLM.from_pretrained(
             model_path, dtype=self.compute_dtype, device=self.device, weight_dtype=self.dtype
         )
+        # Start-up phases (runtime/core/startup.py), each logged once done.
+        self.startup_phases: list[StartupPhase] = []
+        self._startup_phase("load", started, self._load_detail())
         if self.backend == "native":
             self.model.use_native_norms()
         # Steps of these token counts (decode steps) do every product and attention in the C
@@ -182,9 +245,23 @@ class ModelExecutor:
             log.warning("capping the model length at the sliding window (%d)", self.args.sliding_window)
             limit = self.args.sliding_window
         self.max_model_len = limit
+        # LoRA adapters (runtime/executor/lora.py): the slot table is allocated here, before the
+        # KV pool is sized, so the pool gets what the slots leave.
+        self.adapters: dict[str, HostAdapter] = {}
+        self.lora_slots = self._make_lora_slots()
 
+        started = time.perf_counter()
         # engine.kvCacheDtype: the model dtype unless set; the kernels widen a narrower cache.
-        self.kv_dtype = select_kv_cache_dtype(config.engine.kv_cache_dtype, self.dtype)
+        self.kv_dtype = select_kv_cache_dtype(config.engine.kv_cache_dtype, self.dtype, self.device)
+        # An fp8 cache's per-layer scales, fixed here: the checkpoint's, else calibrated.
+        self.kv_scales: Optional[list[tuple[float, float]]] = None
+        self.kv_scales_source = "none"
+        if is_fp8(self.kv_dtype):
+            self.kv_scales = kv_cache_scales(self.model.checkpoint_kv_scales, self.args.num_layers)
+            self.kv_scales_source = "checkpoint"
+            if self.kv_scales is None:
+                self.kv_scales, self.kv_scales_source = self._calibrate_kv_scales(), "calibrated"
+            self.model.set_kv_cache_scales(self.kv_scales)
         self.num_kv_blocks = self._pool_size()
         shape = (self.num_kv_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
         self.kv_caches = [
@@ -192,6 +269,20 @@ class ModelExecutor:
              kv_cache_tensor(shape, self.kv_dtype, self.device))
             for _ in range(self.args.num_layers)
         ]
+        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.kv_dtype)
+        log.info("KV cache: %d blocks of %d tokens, %s (%d bytes per block, %.2f GiB)%s",
+                 self.num_kv_blocks, self.block_size, config.engine.kv_cache_dtype if is_fp8(self.kv_dtype)
+                 else str(self.kv_dtype).removeprefix("torch."), per_block,
+                 self.num_kv_blocks * per_block / 2**30,
+                 f"; {self.kv_scales_source} scales, k {min(k for k, _ in self.kv_scales):.3g}.."
+                 f"{max(k for k, _ in self.kv_scales):.3g}, v {min(v for _, v in self.kv_scales):.3g}.."
+                 f"{max(v for _, v in self.kv_scales):.3g}" if self.kv_scales else "")
+        self._startup_phase("kv", started, self._kv_detail())
+        # engine.kvOffload: the prefix cache's host tier, a second pool in host memory
+        # (runtime/executor/kv_host_pool.py); refused at start if the host cannot hold it.
+        self.kv_bytes_per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.kv_dtype)
+        self.host_pool = make_host_pool(config.engine.kv_offload, self.kv_caches, self.kv_bytes_per_block, self.device)
+        self.num_host_kv_blocks = self.host_pool.num_slots if self.host_pool is not None else 0
         self.sampler = Sampler(self.device, seed=config.engine.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers()  # structured output: a matcher per constrained request
@@ -203,11 +294,36 @@ class ModelExecutor:
         self.inputs = BatchInputBuilder(self.block_size, self.max_model_len, self.device, self.backend,
                                         sdpa_fresh_prefill=not through_cache)
         # engine.cudaGraphs: decode steps replay graphs recorded here (runtime/executor/cuda_graphs.py).
+        started = time.perf_counter()
         self.decode_runner = make_decode_runner(
             config.engine.cuda_graphs, self.model, self.kv_caches, block_size=self.block_size,
             max_model_len=self.max_model_len, max_batch=config.engine.cuda_graph_max_batch,
             backend=self.backend, device=self.device,
         )
+        self._startup_phase("warmup", started, (
+            f"CUDA graphs recorded for {len(self.decode_runner.batch_sizes)} decode batch sizes"
+            if self.decode_runner is not None else "none: no CUDA graphs to record, nothing compiled"))
+
+    # ---- start-up
+
+    def _startup_phase(self, name: str, started: float, detail: str) -> None:
+        phase = StartupPhase(name, time.perf_counter() - started, detail)
+        self.startup_phases.append(phase)
+        log.info("%s", phase.log_line())
+
+    def _load_detail(self) -> str:
+        loaded = self.model.weights_loaded
+        detail = (f"{loaded.bytes / 2**20:.1f} MiB from {loaded.files} safetensors file"
+                  f"{'s' if loaded.files != 1 else ''}, memory-mapped; "
+                  f"{loaded.mapped_bytes / 2**20:.1f} MiB used in place, the rest copied")
+        return f"{detail}; {self.device.type}, {str(self.compute_dtype).removeprefix('torch.')}"
+
+    def _kv_detail(self) -> str:
+        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.kv_dtype)
+        sized = ("engine.kvCacheBlocks" if self.config.engine.kv_cache_blocks
+                 else "a profiling forward pass" if self.device.type == "cuda" else "engine.cpuKvCacheGib")
+        return (f"{self.num_kv_blocks} blocks of {self.block_size} tokens, "
+                f"{self.num_kv_blocks * per_block / 2**20:.1f} MiB zeroed; sized by {sized}")
 
     def pin_step_thread(self) -> None:
         """Called by a step loop in its own thread before its first step: pins that thread's
@@ -239,6 +355,35 @@ class ModelExecutor:
         if blocks <= 0:
             raise ValueError(f"engine.cpuKvCacheGib={engine.cpu_kv_cache_gib} holds no block")
         return blocks
+
+    def _calibrate_kv_scales(self) -> list[tuple[float, float]]:
+        """Per-layer fp8 scales from one forward pass over `calibration_token_ids`, into a small
+        temporary cache in the compute dtype (scale 1: it keeps K and V as they are)."""
+        tokens = min(FP8_CALIBRATION_TOKENS, self.max_model_len)
+        n_blocks = -(-tokens // self.block_size)
+        shape = (n_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.compute_dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.compute_dtype, device=self.device))
+                  for _ in range(self.args.num_layers)]
+        ids = torch.tensor(calibration_token_ids(tokens, self.vocab_size), dtype=torch.long, device=self.device)
+        pos = torch.arange(tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=pos.clone(),
+            block_tables=torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None],
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            num_paged_tokens=tokens, max_query_len=tokens, max_seq_len=tokens,
+            fresh_query_lens=[], all_seq_lens=[tokens], all_query_lens=[tokens],
+            backend=self.backend,
+        )
+        self.model(ids, pos, caches, meta, torch.zeros(0, dtype=torch.long, device=self.device))
+        fmax = torch.finfo(self.kv_dtype).max
+        scales = []
+        for key_cache, value_cache in caches:
+            amax = torch.stack([key_cache.abs().max(), value_cache.abs().max()]).float().tolist()
+            # A layer whose K or V are all zero (cannot happen with real weights) keeps scale 1.
+            scales.append(tuple(a * FP8_SCALE_HEADROOM / fmax if a > 0 else 1.0 for a in amax))
+        return scales
 
     def _profile_activation_bytes(self) -> int:
         """Peak activation memory of the largest step (vLLM-style profiling run)."""
@@ -285,13 +430,22 @@ class ModelExecutor:
         for request in plan.preempted:  # its blocks went back to the pool
             self.inputs.release(request.request_id)
         output = ExecutorOutput()
+        host_pool = self.host_pool
+        if host_pool is not None and (plan.kv_offloads or plan.kv_restores):
+            # Before the block copies too: a copy's fresh dst may be a block offloaded now.
+            output.kv_restore_seconds = host_pool.transfer(self.kv_caches, plan.kv_offloads, plan.kv_restores)
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
         chunks = [c for c in plan.chunks if self._check_chunk(c, output.errors)]
+        chunks, adapter_slots = self._lora_step(chunks, output.errors)
         if chunks:
-            self._run(chunks, output)
+            self._run(chunks, output, adapter_slots)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            if host_pool is not None:
+                restore_seconds = host_pool.finish()
+                if restore_seconds is not None:
+                    output.kv_restore_seconds = restore_seconds
         output.step_seconds = time.perf_counter() - t0
         return output
 
@@ -307,6 +461,10 @@ class ModelExecutor:
         assert len(request.block_ids) * self.block_size >= end, (
             f"request {request.request_id}: {len(request.block_ids)} blocks cannot hold {end} tokens"
         )
+        adapter = request.adapter
+        if adapter is not None and adapter not in self.adapters:
+            errors[request.request_id] = f"adapter {adapter!r} is not loaded"
+            return False
         if chunk.start >= request.num_prompt_tokens:
             return True  # generated tokens: the sampler's own, in the vocabulary
         # Prompt tokens (the engine's admission checks them too; an id outside the table
@@ -321,6 +479,66 @@ class ModelExecutor:
             )
             return False
         return True
+
+    # ---- LoRA adapters
+
+    def _make_lora_slots(self) -> Optional[LoraSlots]:
+        """The slot table when adapters are on (engine.maxLoras set, or model.adapters listed),
+        else None: no slot memory, and add_adapter refuses."""
+        engine, model = self.config.engine, self.config.model
+        if engine.max_loras is None and not model.adapters:
+            return None
+        slots = LoraSlots(self.args, engine.lora_slots, engine.lora_max_rank, self.compute_dtype, self.device)
+        self.model.attach_lora(slots)
+        log.info("LoRA: %d adapter slots of rank up to %d, %.1f MiB", slots.num_slots, slots.max_rank,
+                 slots.nbytes / 2**20)
+        return slots
+
+    def add_adapter(self, name: str, folder: str) -> AdapterInfo:
+        """Read and check a PEFT LoRA folder into host memory (runtime/executor/lora.py); it goes
+        into a device slot when a step first needs it. ValueError naming the adapter when it
+        cannot be served (nothing else changes)."""
+        if self.lora_slots is None:
+            raise ValueError(f"adapter {name!r}: LoRA adapters are off; set engine.maxLoras (or list "
+                             "model.adapters) so that adapter slots are reserved at start-up")
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already loaded")
+        adapter = load_peft_adapter(name, folder, self.args, self.lora_slots.max_rank)
+        self.adapters[name] = adapter
+        log.info("adapter %r loaded: rank %d, %s, %.1f MiB", name, adapter.info.rank,
+                 ",".join(adapter.info.target_modules), adapter.info.bytes / 2**20)
+        return adapter.info
+
+    def remove_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise ValueError(f"adapter {name!r} is not loaded")
+        del self.adapters[name]
+        self.lora_slots.evict(name)
+
+    def adapter_names(self) -> list[str]:
+        return list(self.adapters)
+
+    def _lora_step(self, chunks: list[ScheduledChunk], errors: dict[str, str]
+                   ) -> tuple[list[ScheduledChunk], Optional[dict[str, int]]]:
+        """The step's adapters made resident: {name: slot}, or None when no chunk has one. The
+        scheduler keeps a step within engine.maxLoras adapters; past it, the later adapters'
+        requests fail rather than the step."""
+        names: list[str] = []
+        for c in chunks:
+            adapter = c.request.adapter
+            if adapter is not None and adapter not in names:
+                names.append(adapter)
+        if not names:
+            return chunks, None
+        kept = names[: self.lora_slots.num_slots]
+        if len(names) > len(kept):
+            over = set(names[len(kept):])
+            for c in chunks:
+                if c.request.adapter in over:
+                    errors[c.request.request_id] = (f"more than engine.maxLoras={self.lora_slots.num_slots} "
+                                                    "adapters in one step")
+            chunks = [c for c in chunks if c.request.adapter not in over]
+        return chunks, self.lora_slots.make_resident(kept, self.adapters)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst, every layer, before the step's forward pass (so
@@ -337,12 +555,14 @@ class ModelExecutor:
         argmax token ids: see Transformer.forward); a decode batch the decode runner (CUDA
         graphs) can take replays its graph instead of running eager."""
         runner = self.decode_runner
-        if runner is not None and runner.can_run(input_ids.shape[0], meta, logits_indices.shape[0]):
+        # A step with adapter rows runs eager: the graphs are recorded without LoRA deltas.
+        if runner is not None and meta.lora is None and runner.can_run(input_ids.shape[0], meta, logits_indices.shape[0]):
             return runner.run(input_ids, positions, meta, logits_indices)
         return self.model(input_ids, positions, self.kv_caches, meta, logits_indices, argmax_only=argmax_only)
 
-    def _run(self, chunks: list[ScheduledChunk], output: ExecutorOutput) -> None:
-        inputs = self.inputs.build(chunks)
+    def _run(self, chunks: list[ScheduledChunk], output: ExecutorOutput,
+             adapter_slots: Optional[dict[str, int]] = None) -> None:
+        inputs = self.inputs.build(chunks, adapter_slots, self.lora_slots.ranks if adapter_slots else ())
         input_ids, pos, meta = inputs.input_ids, inputs.positions, inputs.meta
         dev = self.device
         sampled_chunks, prompt_targets = inputs.sampled_chunks, inputs.prompt_targets

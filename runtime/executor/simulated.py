@@ -14,6 +14,21 @@ layer). Bytes: every weight once per step, every scheduled sequence's KV context
 attention reads it), and the new tokens' K/V written. Prefill chunks are compute-bound, decode
 batches memory-bound, which is what makes the scheduling policies differ.
 
+The KV cache's bytes per token follow `engine.kvCacheDtype` (`kv_element_bytes`): an fp8 cache
+holds twice the blocks of a bf16 one in the same memory and its decode attention reads half the
+bytes (dequantized inside the kernel, so the FLOPs stay those of bf16). The host tier's block
+copies (`StepPlan.kv_offloads`, `kv_restores`) cost block bytes / the host link's bandwidth
+(`GPUProfile.host_link_bytes_per_s`), all before the forward pass as the plan orders them (an
+offloaded block may be reused by this very step, a restored one is read by it), so they add to
+the step (`kv_transfer_seconds`, `SimulatedExecutor.execute`).
+
+LoRA adapters (multi-LoRA): each target projection of a token whose request runs an adapter
+also goes through the segmented shrink/expand product, x @ A [d_in, r] then @ B [r, d_out], so
+`lora_cost` adds 2 x r x (d_in + d_out) FLOPs per token per target module and layer; bytes are
+each adapter's A and B read once per step it appears in (its weights, whatever its row count)
+plus the LoRA rows' activations read and the product added back, per module. One forward pass
+serves every adapter and the base, as the model executor runs it.
+
 No torch. Sampled tokens are synthetic (deterministic per request and position) and never EOS:
 requests end by max_tokens (or by the client). With a virtual clock (bench/sim.py) the clock is
 advanced by each step's simulated seconds; without one (e.g. `tokenlane serve` with
@@ -44,6 +59,8 @@ class GPUProfile:
     compute_efficiency: float
     memory_efficiency: float
     step_overhead_s: float  # launch + scheduling + sampling per step (CUDA graphs assumed)
+    # Effective host <-> device bandwidth of KV block copies (the host tier), each direction.
+    host_link_bytes_per_s: float
     source: str
 
 
@@ -58,13 +75,25 @@ class ModelProfile:
     head_dim: int
     vocab_size: int
     max_model_len: int
-    dtype_bytes: int = 2  # bf16 weights and KV cache
+    dtype_bytes: int = 2  # bf16 weights (and the KV cache unless engine.kvCacheDtype says otherwise)
     source: str = ""
+    intermediate_size: int = 0  # the MLP's width (gate/up out, down in): LoRA's MLP shapes
+
+    def lora_module_dims(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of each LoRA target projection (runtime.config.LORA_TARGET_MODULES)."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        # K and V, every layer, every KV head.
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
-        # K and V, every layer, every KV head.
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """In the model dtype; SimulatorProfile.kv_bytes_per_token is the cache's."""
+        return self.kv_elements_per_token * self.dtype_bytes
 
     @property
     def weight_bytes(self) -> float:
@@ -91,6 +120,12 @@ class ModelProfile:
 # where the fixed overhead weighs most): a slightly pessimistic engine.
 # - NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1979 with sparsity), 3.35 TB/s HBM3, 80 GB.
 # - NVIDIA H200 SXM datasheet: same Hopper compute (989 TFLOP/s dense BF16), 4.8 TB/s HBM3e, 141 GB.
+# Host link: both attach over PCIe Gen5 x16, 64 GB/s per direction on paper (~55 GB/s for large
+# pinned cudaMemcpy). A KV block is scattered over 2 x num_layers pieces of block_size x
+# kv_heads x head_dim elements (32 KiB each for a bf16 Llama-3-8B block of 16 tokens), and copies
+# that small fall short of the large-copy rate: we take 25 GB/s, under half the link, until a
+# restore's throughput is measured on the GPU (pessimistic for the host tier).
+HOST_LINK_BYTES_PER_S = 25e9
 GPU_PROFILES: dict[str, GPUProfile] = {
     "h100": GPUProfile(
         name="H100-SXM5-80GB",
@@ -100,6 +135,7 @@ GPU_PROFILES: dict[str, GPUProfile] = {
         compute_efficiency=0.65,
         memory_efficiency=0.75,
         step_overhead_s=0.0015,
+        host_link_bytes_per_s=HOST_LINK_BYTES_PER_S,
         source="NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, 80 GB",
     ),
     "h200": GPUProfile(
@@ -110,6 +146,7 @@ GPU_PROFILES: dict[str, GPUProfile] = {
         compute_efficiency=0.65,
         memory_efficiency=0.75,
         step_overhead_s=0.0015,
+        host_link_bytes_per_s=HOST_LINK_BYTES_PER_S,
         source="NVIDIA H200 datasheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB",
     ),
 }
@@ -128,6 +165,7 @@ MODEL_PROFILES: dict[str, ModelProfile] = {
         head_dim=128,
         vocab_size=128256,
         max_model_len=131072,
+        intermediate_size=14336,
         source="meta-llama/Meta-Llama-3-8B config.json (Llama-3.1-8B context length)",
     ),
 }
@@ -137,24 +175,43 @@ DEFAULT_PROFILE = "h200-llama3-8b"
 ACTIVATION_RESERVE_BYTES = 4 * GIB
 
 
+# Bytes of one stored KV element per engine.kvCacheDtype ("auto": the model dtype).
+KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def kv_element_bytes(kv_cache_dtype: str, model: ModelProfile) -> int:
+    if kv_cache_dtype == "auto":
+        return model.dtype_bytes
+    if kv_cache_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"kvCacheDtype {kv_cache_dtype!r} has no simulator size; known: {sorted(KV_DTYPE_BYTES)}")
+    return KV_DTYPE_BYTES[kv_cache_dtype]
+
+
 @dataclass(frozen=True)
 class SimulatorProfile:
     gpu: GPUProfile
     model: ModelProfile
+    kv_dtype_bytes: int = 2  # bytes per stored KV element (engine.kvCacheDtype)
 
     @property
     def name(self) -> str:
         return f"{self.gpu.name} + {self.model.name}"
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_elements_per_token * self.kv_dtype_bytes
 
-def get_profile(name: Optional[str] = None) -> SimulatorProfile:
-    """`<gpu>-<model>`, e.g. "h200-llama3-8b" (the default) or "h100-llama3-8b"."""
+
+def get_profile(name: Optional[str] = None, kv_cache_dtype: str = "auto") -> SimulatorProfile:
+    """`<gpu>-<model>`, e.g. "h200-llama3-8b" (the default) or "h100-llama3-8b", with the KV
+    cache stored in `kv_cache_dtype` (an engine.kvCacheDtype value)."""
     name = (name or DEFAULT_PROFILE).lower()
     gpu_name, _, model_name = name.partition("-")
     if gpu_name not in GPU_PROFILES or model_name not in MODEL_PROFILES:
         known = [f"{g}-{m}" for g in GPU_PROFILES for m in MODEL_PROFILES]
         raise ValueError(f"unknown simulator profile {name!r}; known: {known}")
-    return SimulatorProfile(GPU_PROFILES[gpu_name], MODEL_PROFILES[model_name])
+    model = MODEL_PROFILES[model_name]
+    return SimulatorProfile(GPU_PROFILES[gpu_name], model, kv_element_bytes(kv_cache_dtype, model))
 
 
 @dataclass(frozen=True)
@@ -164,6 +221,51 @@ class ChunkShape:
     start: int  # tokens already in the cache before this chunk
     num_tokens: int  # tokens computed this step
     sample: bool
+    adapter: Optional[str] = None  # the request's LoRA adapter; None = the base model
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What the cost model needs of one loaded adapter: its rank and target modules."""
+
+    rank: int
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LoraCost:
+    flops: float
+    bytes: float
+    distinct_adapters: int
+
+
+def lora_width(model: ModelProfile, lora: LoraShape) -> int:
+    """Sum over layers and target modules of d_in + d_out: A and B hold rank x this many elements."""
+    dims = model.lora_module_dims()
+    unknown = [t for t in lora.target_modules if t not in dims]
+    if unknown:
+        raise ValueError(f"LoRA target module(s) {unknown} unknown to the simulator; known: {sorted(dims)}")
+    return model.num_layers * sum(dims[t][0] + dims[t][1] for t in lora.target_modules)
+
+
+def lora_cost(profile: SimulatorProfile, chunks: list[ChunkShape], adapters: dict[str, LoraShape]) -> LoraCost:
+    """The LoRA products of one step (see the module docstring): per adapter in the step,
+    2 x rank x width FLOPs per token, its weights read once, its rows' activations read and
+    written once per module."""
+    tokens: dict[str, int] = {}
+    for c in chunks:
+        if c.adapter is not None and c.num_tokens:
+            tokens[c.adapter] = tokens.get(c.adapter, 0) + c.num_tokens
+    flops = nbytes = 0.0
+    b = profile.model.dtype_bytes
+    for name, n in tokens.items():
+        if name not in adapters:
+            raise ValueError(f"adapter {name!r} is not loaded in the simulator")
+        lora = adapters[name]
+        width = lora_width(profile.model, lora)
+        flops += 2.0 * lora.rank * width * n
+        nbytes += lora.rank * width * b + n * width * b
+    return LoraCost(flops, nbytes, len(tokens))
 
 
 @dataclass(frozen=True)
@@ -175,8 +277,10 @@ class StepCost:
     seconds: float  # max(compute_s, memory_s) + overhead, 0 for an empty step
 
 
-def step_cost(profile: SimulatorProfile, chunks: list[ChunkShape]) -> StepCost:
-    """Roofline estimate of one model step over `chunks` (see the module docstring)."""
+def step_cost(profile: SimulatorProfile, chunks: list[ChunkShape],
+              adapters: Optional[dict[str, LoraShape]] = None) -> StepCost:
+    """Roofline estimate of one model step over `chunks` (see the module docstring);
+    `adapters`: the loaded LoRA adapters the chunks may name."""
     if not chunks:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
     m, g = profile.model, profile.gpu
@@ -192,9 +296,13 @@ def step_cost(profile: SimulatorProfile, chunks: list[ChunkShape]) -> StepCost:
     flops += 4.0 * m.num_layers * q_width * attn_pairs
     nbytes = (
         m.weight_bytes
-        + context_tokens * m.kv_bytes_per_token  # attention reads each sequence's context
-        + tokens * m.kv_bytes_per_token  # K/V of the new tokens written
+        + context_tokens * profile.kv_bytes_per_token  # attention reads each sequence's context
+        + tokens * profile.kv_bytes_per_token  # K/V of the new tokens written
     )
+    if any(c.adapter is not None for c in chunks):
+        lora = lora_cost(profile, chunks, adapters or {})
+        flops += lora.flops
+        nbytes += lora.bytes
     compute_s = flops / (g.peak_bf16_flops * g.compute_efficiency)
     memory_s = nbytes / (g.hbm_bytes_per_s * g.memory_efficiency)
     return StepCost(flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + g.step_overhead_s)
@@ -203,15 +311,20 @@ def step_cost(profile: SimulatorProfile, chunks: list[ChunkShape]) -> StepCost:
 def block_copy_seconds(profile: SimulatorProfile, block_size: int, num_copies: int) -> float:
     """Time of a step's KV block copies (parallel sampling's copy on write): each copy reads
     and writes one block of every layer's K and V, memory-bound."""
-    nbytes = 2.0 * num_copies * block_size * profile.model.kv_bytes_per_token
+    nbytes = 2.0 * num_copies * block_size * profile.kv_bytes_per_token
     return nbytes / (profile.gpu.hbm_bytes_per_s * profile.gpu.memory_efficiency)
+
+
+def kv_transfer_seconds(profile: SimulatorProfile, block_size: int, num_blocks: int) -> float:
+    """Time to copy `num_blocks` KV blocks one way over the host link (the host tier)."""
+    return num_blocks * block_size * profile.kv_bytes_per_token / profile.gpu.host_link_bytes_per_s
 
 
 def kv_blocks_for(profile: SimulatorProfile, block_size: int, gpu_memory_utilization: float) -> int:
     """KV pool size the way vLLM sizes it: device memory share minus weights and activations."""
     budget = profile.gpu.memory_bytes * gpu_memory_utilization
     free = budget - profile.model.weight_bytes - ACTIVATION_RESERVE_BYTES
-    blocks = int(free // (block_size * profile.model.kv_bytes_per_token))
+    blocks = int(free // (block_size * profile.kv_bytes_per_token))
     if blocks < 1:
         raise ValueError(
             f"{profile.name}: gpuMemoryUtilization {gpu_memory_utilization} leaves no room for "
@@ -226,10 +339,15 @@ class SimulatedExecutor:
 
     def __init__(self, config, clock: Optional["VirtualClock"] = None, *, realtime: Optional[bool] = None):
         engine = config.engine
-        self.profile = get_profile(engine.simulator_profile)
+        self.profile = get_profile(engine.simulator_profile, engine.kv_cache_dtype)
         self.block_size: int = engine.block_size
         self.num_kv_blocks: int = engine.kv_cache_blocks or kv_blocks_for(
             self.profile, engine.block_size, engine.gpu_memory_utilization
+        )
+        offload = engine.kv_offload
+        # Slots of the host tier (engine.kvOffload): its bytes over the cache's bytes per block.
+        self.num_host_kv_blocks: int = (
+            int(offload.host_bytes // (engine.block_size * self.profile.kv_bytes_per_token)) if offload else 0
         )
         self.eos_token_id: Optional[int] = None  # synthetic tokens never end a request
         self.max_model_len: int = self.profile.model.max_model_len
@@ -243,7 +361,33 @@ class SimulatedExecutor:
         self.total_flops = 0.0
         self.total_bytes = 0.0
         self.num_block_copies = 0
+        self.num_blocks_offloaded = 0  # device -> host (the host tier)
+        self.num_blocks_restored = 0  # host -> device
+        self.host_link_seconds = 0.0  # time the host link was busy with them
         self.last_cost: Optional[StepCost] = None
+        # LoRA adapters (no weights): their rank and target modules, from the PEFT folder's
+        # adapter_config.json; the cost model charges their products.
+        self.max_lora_rank: int = engine.lora_max_rank
+        self.adapters: dict[str, LoraShape] = {}
+
+    def add_adapter(self, name: str, folder: str):
+        from tokenlane.runtime.executor.fake import check_adapter_folder
+
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already loaded")
+        info = check_adapter_folder(name, folder, self.max_lora_rank)
+        try:
+            lora_width(self.profile.model, LoraShape(info.rank, info.target_modules))
+        except ValueError as exc:
+            raise ValueError(f"adapter {name!r}: {exc}") from None
+        self.adapters[name] = LoraShape(info.rank, info.target_modules)
+        return info
+
+    def remove_adapter(self, name: str) -> None:
+        del self.adapters[name]
+
+    def adapter_names(self) -> list[str]:
+        return list(self.adapters)
 
     def token_for(self, request_id: str, position: int) -> int:
         """Deterministic synthetic token id (never special: ids 0..999 are left out)."""
@@ -251,16 +395,17 @@ class SimulatedExecutor:
         return 1000 + h % (self.vocab_size - 1000)
 
     def execute(self, plan: StepPlan) -> ExecutorOutput:
-        shapes = [ChunkShape(c.start, c.num_tokens, c.sample) for c in plan.chunks]
-        cost = step_cost(self.profile, shapes)
+        shapes = [ChunkShape(c.start, c.num_tokens, c.sample, c.request.adapter) for c in plan.chunks]
+        cost = step_cost(self.profile, shapes, self.adapters)
         if plan.block_copies:  # copied before the forward pass, as the model executor does
             copies = len(plan.block_copies)
             copy_s = block_copy_seconds(self.profile, self.block_size, copies)
-            copy_bytes = 2.0 * copies * self.block_size * self.profile.model.kv_bytes_per_token
+            copy_bytes = 2.0 * copies * self.block_size * self.profile.kv_bytes_per_token
             cost = dataclasses.replace(cost, bytes=cost.bytes + copy_bytes, memory_s=cost.memory_s + copy_s,
                                        seconds=cost.seconds + copy_s)
             self.num_block_copies += copies
-        out = ExecutorOutput(step_seconds=cost.seconds)
+        cost, transfer_s = self._host_tier_cost(plan, cost)
+        out = ExecutorOutput(step_seconds=cost.seconds, kv_restore_seconds=transfer_s if plan.kv_restores else None)
         for c in plan.chunks:
             if c.sample:
                 out.sampled[c.request.request_id] = self.token_for(c.request.request_id, c.start + c.num_tokens)
@@ -275,6 +420,17 @@ class SimulatedExecutor:
         elif self.realtime and cost.seconds > 0:
             time.sleep(cost.seconds)
         return out
+
+    def _host_tier_cost(self, plan: StepPlan, cost: StepCost) -> tuple[StepCost, float]:
+        """The step with the host tier's copies before its forward pass, and their seconds."""
+        offloads, restores = len(plan.kv_offloads), len(plan.kv_restores)
+        if not offloads and not restores:
+            return cost, 0.0
+        transfer_s = kv_transfer_seconds(self.profile, self.block_size, offloads + restores)
+        self.num_blocks_offloaded += offloads
+        self.num_blocks_restored += restores
+        self.host_link_seconds += transfer_s
+        return dataclasses.replace(cost, seconds=cost.seconds + transfer_s), transfer_s
 
 
 class VirtualClock:

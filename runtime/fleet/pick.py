@@ -89,6 +89,10 @@ class Refusal:
 
 NO_HEALTHY_RETRY_AFTER_S = 5.0
 SATURATED_RETRY_AFTER_S = 1.0
+# While no replica is ready the router holds requests (scale from zero): at most this many,
+# each for at most this long (`tokenlane router --hold-queue-size/--hold-timeout-s`).
+DEFAULT_HOLD_QUEUE_SIZE = 1000
+DEFAULT_HOLD_TIMEOUT_S = 300.0
 
 
 def _lane_load(replica: ReplicaView, lane: Optional[str]) -> LaneLoad:

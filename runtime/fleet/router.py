@@ -13,6 +13,11 @@
   replica refusal that never admitted the request (503 draining, 429 queue_full, 503
   kv_watermark) goes to another replica, each replica at most once per request. Once the
   response has started, an upstream failure ends the client's response (never a retry).
+- When no replica is ready at all (a pool scaled to zero, or one that is starting), a request
+  is held in a bounded queue until a scrape finds a replica ready, then forwarded; past
+  `hold_timeout_s`, or with `hold_queue_size` requests held already, it gets 503 with
+  Retry-After (codes hold_timeout, hold_queue_full). Streaming requests alike: nothing is sent
+  to the client before a replica answers.
 - When no replica can take the request the router answers 429/503 itself, with Retry-After
   and OpenAI's error body.
 
@@ -42,7 +47,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenlane.runtime.config import ConfigError, RuntimeConfig, load_config
-from tokenlane.runtime.fleet.pick import PickPolicy, Refusal, affinity_key, estimate_prompt_tokens, pick
+from tokenlane.runtime.fleet.pick import (DEFAULT_HOLD_QUEUE_SIZE, DEFAULT_HOLD_TIMEOUT_S, NO_HEALTHY_RETRY_AFTER_S,
+                                          PickPolicy, Refusal, affinity_key, estimate_prompt_tokens, pick)
 from tokenlane.runtime.fleet.discovery import ApiAccess, EndpointSliceWatcher, in_cluster_namespace
 from tokenlane.runtime.fleet.state import RETRY, BackendSet, Fleet, RouterMetrics
 from tokenlane.runtime.entrypoints.http_errors import api_error_response, error_response
@@ -71,11 +77,17 @@ class RouterOptions:
     affinity_slack: float = 4.0
     connect_timeout_s: float = 2.0
     upstream_timeout_s: float = 600.0  # waiting for a replica's response to begin, and between chunks
+    # Requests held while no replica is ready (0: none, such a request gets 503 at once), and
+    # how long each may wait for one (a cold start from zero takes tens of seconds or more).
+    hold_queue_size: int = DEFAULT_HOLD_QUEUE_SIZE
+    hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.affinity_prefix_chars < 0:
             raise ValueError(f"affinity prefix must be >= 0 characters, got {self.affinity_prefix_chars}")
-        for name in ("connect_timeout_s", "upstream_timeout_s"):
+        if self.hold_queue_size < 0:
+            raise ValueError(f"hold queue size must be >= 0 requests, got {self.hold_queue_size}")
+        for name in ("connect_timeout_s", "upstream_timeout_s", "hold_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -105,6 +117,7 @@ class Forwarder:
         self.policy = PickPolicy(affinity_slack=options.affinity_slack)
         self.metrics = fleet.metrics
         self.client: Optional[httpx.AsyncClient] = None
+        self.held = 0  # requests waiting now for a replica to become ready
 
     async def start(self) -> None:
         timeout = httpx.Timeout(self.options.upstream_timeout_s, connect=self.options.connect_timeout_s)
@@ -182,8 +195,19 @@ class Forwarder:
         target = scope["path"] + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
         tried: set[str] = set()
         refused: Optional[tuple[int, httpx.Headers, bytes]] = None  # the last replica refusal
+        if scope["path"] in GENERATION_PATHS:
+            self.metrics.requests.inc()
+        waited = False  # held once already: a request is held at most once
         while True:
             choice = pick(self.fleet.views(), lane, key, self.policy, frozenset(tried))
+            if isinstance(choice, Refusal) and not tried and not waited and self.fleet.healthy_count() == 0:
+                self.metrics.arrived_without_replica.inc()
+                if self.options.hold_queue_size > 0:
+                    waited = True
+                    held_refusal = await self._hold()
+                    if held_refusal is None:
+                        continue  # a replica became ready: pick again
+                    choice = held_refusal
             if isinstance(choice, Refusal):
                 await self._answer_refusal(choice, tried, refused, send)
                 return
@@ -225,6 +249,28 @@ class Forwarder:
                 return
             await self._stream(response, url, send)
             return
+
+    async def _hold(self) -> Optional[Refusal]:
+        """Wait until a replica is ready (None), or why the request will not wait (a Refusal):
+        the hold queue is full, or `hold_timeout_s` passed. A client that goes away cancels the
+        wait (Forwarder.__call__), which leaves the queue at once."""
+        if self.held >= self.options.hold_queue_size:
+            return Refusal(503, "hold_queue_full",
+                           f"no replica is ready and {self.held} requests are already waiting for one",
+                           NO_HEALTHY_RETRY_AFTER_S)
+        self.held += 1
+        self.metrics.held.inc()
+        try:
+            with anyio.move_on_after(self.options.hold_timeout_s):
+                while self.fleet.healthy_count() == 0:
+                    await self.fleet.wait_for_healthy_replica()
+                return None
+            return Refusal(503, "hold_timeout",
+                           f"no replica became ready within {self.options.hold_timeout_s:g} s",
+                           NO_HEALTHY_RETRY_AFTER_S)
+        finally:
+            self.held -= 1
+            self.metrics.held.dec()
 
     async def _read_all(self, response: httpx.Response) -> bytes:
         try:
@@ -294,7 +340,7 @@ def create_router_app(backends: BackendSet, config: Optional[RuntimeConfig] = No
     """The router's ASGI app; its lifespan starts the scrapers, the upstream client and the
     discovery of `backends`, when given."""
     options = options or RouterOptions()
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(config.model.name if config is not None else "")
     fleet = Fleet(backends, metrics, scrape_interval_s=options.scrape_interval_s,
                   stale_after_s=options.stale_after_s)
     forwarder = Forwarder(fleet, config, options)
@@ -305,8 +351,9 @@ def create_router_app(backends: BackendSet, config: Optional[RuntimeConfig] = No
 
     async def ready(request: Request) -> Response:
         healthy = fleet.healthy_count()
-        if healthy == 0:
+        if healthy == 0 and options.hold_queue_size == 0:
             return error_response(503, "no healthy replica", code="no_healthy_replica")
+        # With holding on the router is ready at zero replicas: it takes the requests that wake the pool.
         return JSONResponse({"status": "ready", "healthy_replicas": healthy, "replicas": len(backends.urls)})
 
     async def prometheus_metrics(request: Request) -> Response:
@@ -375,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queued requests the affine replica may have above the least loaded one (default 4)")
     p.add_argument("--upstream-timeout-s", type=float, default=600.0,
                    help="how long a replica may take to begin its response, and between chunks (default 600)")
+    p.add_argument("--hold-queue-size", type=int, default=DEFAULT_HOLD_QUEUE_SIZE,
+                   help="requests held while no replica is ready, e.g. a pool scaled to zero (default 1000; "
+                        "0: answer 503 at once)")
+    p.add_argument("--hold-timeout-s", type=float, default=DEFAULT_HOLD_TIMEOUT_S,
+                   help="how long a held request waits for a replica to become ready before its 503 (default 300)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -403,6 +455,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             affinity_prefix_chars=args.affinity_prefix_chars,
             affinity_slack=args.affinity_slack,
             upstream_timeout_s=args.upstream_timeout_s,
+            hold_queue_size=args.hold_queue_size,
+            hold_timeout_s=args.hold_timeout_s,
         )
         if not options.scrape_interval_s > 0:
             raise ValueError(f"--scrape-interval-ms must be > 0, got {args.scrape_interval_ms:g}")

@@ -9,6 +9,8 @@ keeps each one's load and health fresh, and the router's own metrics.
   the replica down; so does a request that cannot connect to it (`Fleet.mark_down`), until a
   scrape that starts later succeeds.
 - `Fleet.views()` is what the pick policy (runtime/fleet/pick.py) sees.
+- A scrape that finds a replica healthy that was not wakes every request the router holds for
+  want of a ready replica (`Fleet.wait_for_healthy_replica`; scale from zero, docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ PICK_REASONS = (AFFINITY, LEAST_LOADED, RETRY)
 # (retried elsewhere), a response that broke after it began (never retried), a failed scrape.
 UPSTREAM_ERROR_KINDS = ("connect", "reset", "timeout", "draining", "queue_full", "kv_watermark",
                         "mid_stream", "scrape")
-REFUSAL_CODES = ("no_healthy_replica", "queue_full", "kv_watermark", "upstream_unavailable")
+REFUSAL_CODES = ("no_healthy_replica", "queue_full", "kv_watermark", "upstream_unavailable", "hold_queue_full",
+                 "hold_timeout")
 
 
 # --------------------------------------------------------------------------- the replica set
@@ -145,9 +148,10 @@ class ReplicaState:
 class RouterMetrics:
     """The router's own metrics (its own registry; docs/fleet.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
         r = self.registry = CollectorRegistry()
         p = "tokenlane_router_"
+        self.model = model  # the served model name (from --config), so Prometheus can tell fleets apart
         self.picks = Counter(p + "picks", "Replica picks by reason (affinity|least_loaded|retry).", ["reason"], registry=r)
         self.upstream_errors = Counter(p + "upstream_errors", "Upstream failures by kind.", ["kind"], registry=r)
         self.refusals = Counter(p + "refusals", "Requests the router answered 429/503 itself, by code.", ["code"],
@@ -156,6 +160,15 @@ class RouterMetrics:
                                    registry=r)
         self.backend_up = Gauge(p + "backend_up", "1 when the replica is healthy (fresh scrape, ready).", ["backend"],
                                 registry=r)
+        # Scale from zero: the autoscaler reads these (held demand wakes the pool; no arrivals
+        # for a while lets it sleep).
+        self.requests = Counter(p + "requests", "Generation requests the router received.", ["model"],
+                                registry=r).labels(model)
+        self.arrived_without_replica = Counter(
+            p + "requests_without_replica", "Requests (any endpoint) that arrived while no replica was ready.",
+            ["model"], registry=r).labels(model)
+        self.held = Gauge(p + "held_requests", "Requests held now, waiting for a replica to become ready.",
+                          ["model"], registry=r).labels(model)
         for reason in PICK_REASONS:
             self.picks.labels(reason)
         for kind in UPSTREAM_ERROR_KINDS:
@@ -183,6 +196,8 @@ class Fleet:
         self._scrapers: dict[str, asyncio.Task] = {}
         self._supervisor: Optional[asyncio.Task] = None
         self._client: Optional[httpx.AsyncClient] = None
+        # Set (and replaced) each time a replica becomes healthy: held requests wait on it.
+        self._became_healthy = asyncio.Event()
 
     # ---- views for the pick policy
 
@@ -192,6 +207,14 @@ class Fleet:
 
     def healthy_count(self) -> int:
         return sum(view.healthy for view in self.views())
+
+    async def wait_for_healthy_replica(self) -> None:
+        """Return once some replica has become healthy (by a scrape) after this call began."""
+        await self._became_healthy.wait()
+
+    def _notify_healthy(self) -> None:
+        event, self._became_healthy = self._became_healthy, asyncio.Event()
+        event.set()
 
     def note_dispatch(self, url: str, lane: Optional[str]) -> None:
         state = self.states.get(url)
@@ -259,6 +282,7 @@ class Fleet:
     async def _scrape(self, state: ReplicaState) -> None:
         assert self._client is not None, "Fleet.start() first"
         started = time.monotonic()
+        was_healthy = state.healthy(started, self.stale_after_s)
         sent_before = dict(state.dispatched)
         try:
             metrics_resp, ready_resp = await asyncio.gather(
@@ -289,4 +313,7 @@ class Fleet:
                 state.dispatched[lane] = left
             else:
                 state.dispatched.pop(lane, None)
-        self.metrics.backend_up.labels(state.url).set(1 if state.healthy(time.monotonic(), self.stale_after_s) else 0)
+        healthy = state.healthy(time.monotonic(), self.stale_after_s)
+        self.metrics.backend_up.labels(state.url).set(1 if healthy else 0)
+        if healthy and not was_healthy:
+            self._notify_healthy()

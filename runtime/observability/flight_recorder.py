@@ -192,7 +192,12 @@ def _entry(row: tuple) -> dict[str, Any]:
             "high_watermark": config.high_watermark,
             "reject_watermark": config.reject_watermark,
         },
-        "prefix_cache": {"queried_tokens": stats.prefix_cache_queries, "hit_tokens": stats.prefix_cache_hits},
+        "prefix_cache": {"queried_tokens": stats.prefix_cache_queries, "hit_tokens": stats.prefix_cache_hits,
+                         "host_hit_tokens": stats.prefix_cache_host_hits},
+        # The host tier (engine.kvOffload): blocks copied out and back in this step.
+        "kv_host": {"offloaded_blocks": stats.kv_blocks_offloaded, "restored_blocks": stats.kv_blocks_restored,
+                    "restore_s": stats.kv_restore_seconds, "blocks_used": stats.kv_host_blocks_used,
+                    "blocks_total": stats.kv_host_blocks_total},
         "refusals": _nested(refusals),
         "finished": _nested(finished),
         "config_hash": config.hash,

@@ -39,6 +39,33 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "blockSize" in capsys.readouterr().err
 
 
+def test_set_overrides_every_phase_of_a_scenario(tmp_path, capsys):
+    code = main(["simulate", "--scenario", "kv-fp8", "--duration", "5", "--set", "engine.kvCacheDtype=fp8_e5m2",
+                 "--set", "engine.simulatorProfile=h100-llama3-8b", "--out", str(tmp_path), "--stem", "s",
+                 "--no-progress"])
+    assert code == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    extras = {p["name"]: p["extra"] for p in doc["phases"]}
+    assert {e["kv_cache_dtype"] for e in extras.values()} == {"fp8_e5m2"}
+    assert all("H100" in e["profile"] for e in extras.values())
+    assert "fp8 vs bf16" in capsys.readouterr().out
+    assert main(["simulate", "--scenario", "kv-fp8", "--duration", "5", "--set", "engine.kvCacheDtype=fp4",
+                 "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "kvCacheDtype" in capsys.readouterr().err
+
+
+def test_kv_fp8_scenario_doubles_the_pool_on_the_same_traffic():
+    from tokenlane.bench.scenarios import SCENARIOS
+    from tokenlane.bench.sim import simulate
+
+    scenario = SCENARIOS["kv-fp8"](duration_s=5.0)
+    bf16, fp8 = scenario.phases
+    assert bf16.traffic is fp8.traffic and bf16.slos == fp8.slos
+    runs = {ph.name: simulate(ph.config, ph.traffic, ph.name, slos=ph.slos) for ph in scenario.phases}
+    assert runs["fp8"].extra["kv_blocks_total"] in (2 * runs["bf16"].extra["kv_blocks_total"],
+                                                     2 * runs["bf16"].extra["kv_blocks_total"] + 1)
+
+
 def test_overrides():
     data = {"engine": {}, "lanes": [{"name": "a"}, {"name": "b"}]}
     set_path(data, *parse_override("engine.continuousBatching=false"))

@@ -245,3 +245,49 @@ def test_fleet_command_passes_the_autoscaler_knobs(tmp_path):
     with pytest.raises(ValueError, match="runningShareTarget"):
         scaling("--running-share-target", "1.5")
     assert main(base + ["--target-utilization", "0", "--out", str(tmp_path)]) == 2  # refused, with the field named
+
+
+# --------------------------------------------------------------------------- scale to zero
+
+
+def test_idle_day_scale_to_zero_uses_fewer_replica_hours_and_answers_the_first_request_after_idle():
+    from tokenlane.bench.fleet_sim import idle_day_traffic, scale_to_zero_experiment
+
+    hour_s, cold_start_s = 10.0, 20.0
+    traffic, idle_start, idle_end = idle_day_traffic(hour_s, 8, 0.5)
+    assert (idle_start, idle_end) == (80.0, 160.0)
+    assert not any(idle_start <= r.arrival_s < idle_end for r in traffic.requests)
+    base, zero = scale_to_zero_experiment(hour_s=hour_s, idle_hours=8, rate_rps=0.5, cold_start_s=cold_start_s,
+                                          scale_to_zero_after_h=2.0)
+    assert (base.min_replicas, zero.min_replicas) == (1, 0)
+    for run in (base, zero):
+        assert len(run.result.run.records) == len(traffic.requests)  # every request answered once
+        assert run.refused == 0 and run.first_after_idle_outcome == "ok"
+        assert run.result.run.extra["kv_blocks_leaked"] == 0
+    # minReplicas 1 never goes below one replica; scale to zero sleeps through the idle hours only.
+    assert min(n for _, n in base.result.replica_timeline) == 1
+    asleep = [t for t, n in zero.result.replica_timeline if n == 0]
+    assert asleep and all(idle_start < t <= idle_end + zero.result.decisions[1]["at"] for t in asleep)
+    assert zero.result.run.extra["held_peak"] >= 1
+    assert any("scale from zero 0 -> 1" in d["reason"] for d in zero.result.decisions)
+    assert any("scale to zero 1 -> 0" in d["reason"] for d in zero.result.decisions)
+    # Fewer replica-hours; the first request after idle waits for the cold start, and gets served.
+    assert zero.replica_day_hours < base.replica_day_hours
+    assert zero.first_after_idle_ttft_s >= cold_start_s > base.first_after_idle_ttft_s
+
+
+def test_held_requests_past_the_hold_timeout_are_refused_and_still_wake_the_pool():
+    from tokenlane.bench.fleet_sim import default_scaling_policy
+
+    config = small_config()
+    late = short_traffic(seed=2, duration_s=2.0, rate_rps=5.0)
+    late = dataclasses.replace(late, requests=[dataclasses.replace(r, arrival_s=r.arrival_s + 50.0)
+                                               for r in late.requests])
+    policy = dataclasses.replace(default_scaling_policy(config, 0, 2), scale_to_zero_after_s=5.0)
+    # Held from 50 s; the decision at 60 s wakes the pool; the replica is ready at 90 s, after the
+    # 12 s hold bound of every request.
+    result = simulate_fleet(config, late, replicas=1, policy=ROUTER, hold_timeout_s=12.0,
+                            autoscale=AutoscaleSettings(policy, startup_delay_s=30.0))
+    assert result.run.records and {(r.outcome, r.reason) for r in result.run.records} == {("rejected", "hold_timeout")}
+    assert result.run.extra["arrived_without_replica"] == len(late.requests)
+    assert any("scale from zero" in d["reason"] for d in result.decisions)

@@ -140,9 +140,44 @@ def test_the_patch_holds_only_the_knobs_the_tuner_moved(sample_plan):
             for key, value in patch["spec"]["budgets"].items():
                 assert changed[(lane, key)] == value
         else:
-            assert patch["kind"] == "ModelService" and set(patch["spec"]) == {"scheduler"}
+            assert patch["kind"] == "ModelService" and set(patch["spec"]) <= {"scheduler", "engine"}
+            recommended = {k: v for option in doc["pools"][0]["engine_options"] if option["recommended"]
+                           for k, v in option["engine"].items()}
+            assert patch["spec"].get("engine", {}) == recommended
     assert len(changed) == sum(len(p["spec"].get("budgets", p["spec"].get("scheduler", {}))) for p in docs)
     assert (out / "plan.png").stat().st_size > 10_000
+
+
+def test_the_plan_tries_fp8_and_the_host_tier_on_top_of_the_budgets(sample_plan):
+    out, doc = sample_plan
+    (shared,) = doc["pools"]
+    options = {o["option"]: o for o in shared["engine_options"]}
+    # The sample runs a bf16 cache with prefix caching on: both options are tried.
+    assert set(options) == {"fp8-kv-cache", "host-tier"}
+    assert options["fp8-kv-cache"]["engine"] == {"kvCacheDtype": "fp8_e4m3"}
+    assert options["host-tier"]["engine"]["kvOffload"]["hostBytes"] > 0
+    after = shared["goodput_rps"]["after"]
+    for option in options.values():
+        print(f"\n{option['option']}: SLO goodput {option['goodput_rps']:.2f} vs {after:.2f} req/s "
+              f"({option['gain']:+.1%}), recommended: {option['recommended']}")
+        assert option["recommended"] == (option["goodput_rps"] > after * (1 + plan.MIN_ENGINE_OPTION_GAIN))
+    if any(o["recommended"] for o in options.values()):
+        assert "engine keys restart the pods" in (out / "patch.yaml").read_text()
+
+
+def test_engine_options_only_where_the_config_lacks_them():
+    base = plan.for_simulator(plan.loads_config(RUNTIME_YAML), "h200-llama3-8b")
+    assert [name for name, _, _ in plan.engine_option_candidates(base)] == ["fp8-kv-cache", "host-tier"]
+    (name, keys, config), _ = plan.engine_option_candidates(base)
+    assert config.engine.kv_cache_dtype == "fp8_e4m3"
+    _, (name, keys, config) = plan.engine_option_candidates(base)
+    # The tier tried holds 4x the device pool's bytes.
+    assert keys["kvOffload"]["hostBytes"] == config.engine.kv_offload.host_bytes == int(
+        plan.HOST_TIER_POOL_MULTIPLE * plan.kv_pool_bytes(base))
+    no_prefix = plan.loads_config(RUNTIME_YAML.replace("{executor: simulated}",
+                                                       "{executor: simulated, enablePrefixCaching: false, "
+                                                       "kvCacheDtype: fp8_e5m2}"))
+    assert plan.engine_option_candidates(no_prefix) == []
 
 
 def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys):
@@ -187,3 +222,10 @@ def test_a_runtime_yaml_gets_bounds_around_its_values_and_a_lanes_patch(tmp_path
         {"scheduler": {"kvCacheHighWatermark": 0.9}, "lanes": [{"name": "interactive", "maxBatchedTokens": 4096}]}]
     kept = plan.PoolPlan(pool, None, None, None, EffectiveBudgets.from_config(pool.config), False, {}, [])
     assert plan.patch_text(config, [kept]).startswith("# no change")
+    # A recommended engine option goes into the same patch; a rejected one does not.
+    fp8 = plan.EngineOption("fp8-kv-cache", {"kvCacheDtype": "fp8_e4m3"}, None, 0.3, True)
+    tier = plan.EngineOption("host-tier", {"kvOffload": {"hostBytes": 1 << 30}}, None, 0.0, False)
+    with_fp8 = plan.PoolPlan(pool, None, None, None, EffectiveBudgets.from_config(pool.config), False, {}, [],
+                             [fp8, tier])
+    assert plan.patch_documents(config, [with_fp8]) == [{"engine": {"kvCacheDtype": "fp8_e4m3"}}]
+    assert "restart the pods" in plan.patch_text(config, [with_fp8])

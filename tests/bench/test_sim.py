@@ -81,3 +81,42 @@ def test_simulate_forces_the_simulated_executor():
     cfg = production_config(engine={"executor": "model"})
     res = simulate(cfg, small_traffic(duration_s=2), "x")
     assert res.extra["profile"].startswith("H200")
+
+
+def test_conversation_turns_extend_their_history_and_only_their_own():
+    from tokenlane.bench.scenarios import (
+        CONVERSATION_POOL_BLOCKS,
+        conversation_turns_traffic,
+        conversation_working_set,
+    )
+    from tokenlane.bench.sim import conversation_prompt_ids
+
+    traffic = conversation_turns_traffic(150.0, seed=3)
+    by_conversation: dict[int, list] = {}
+    for r in traffic.requests:
+        by_conversation.setdefault(r.conversation, []).append(r)
+    for turns in by_conversation.values():
+        for earlier, later in zip(turns, turns[1:]):
+            # The next prompt holds the previous prompt, its reply and a new message.
+            assert later.prompt_tokens > earlier.prompt_tokens + earlier.max_tokens
+            a = conversation_prompt_ids(earlier.conversation, earlier.prompt_tokens)
+            b = conversation_prompt_ids(later.conversation, later.prompt_tokens)
+            assert b[: len(a)] == a and len(b) == later.prompt_tokens
+    first = [turns[0].prompt_tokens for turns in by_conversation.values()]
+    assert conversation_prompt_ids(0, 64)[:16] != conversation_prompt_ids(1, 64)[:16]  # no block shared across
+    assert len(set(first)) > 1
+    # The scenario's point: the histories outgrow the device pool several times over.
+    assert conversation_working_set(traffic) >= 3.5 * CONVERSATION_POOL_BLOCKS * 16
+
+
+def test_the_host_tier_turns_recomputed_history_into_restores():
+    from tokenlane.bench.scenarios import SCENARIOS
+
+    scenario = SCENARIOS["conversation-host-tier"](duration_s=40.0, seed=5)
+    device_only, tier = (simulate(ph.config, ph.traffic, ph.name, slos=ph.slos) for ph in scenario.phases)
+    assert device_only.extra["kv_blocks_restored"] == 0 and device_only.extra["host_link_seconds"] == 0
+    assert tier.extra["kv_blocks_offloaded"] > 0 and tier.extra["kv_blocks_restored"] > 0
+    assert tier.extra["host_link_seconds"] > 0
+    assert tier.extra["prefix_cache_hit_rate"] > device_only.extra["prefix_cache_hit_rate"]
+    # Every request ran to its length either way: the tier changes where the KV comes from, not the output.
+    assert [r.output_tokens for r in tier.records] == [r.output_tokens for r in device_only.records]

@@ -10,6 +10,7 @@ from tokenlane.runtime.executor.simulated import (
     VirtualClock,
     get_profile,
     kv_blocks_for,
+    kv_transfer_seconds,
     step_cost,
 )
 from tokenlane.runtime.config import RuntimeConfig
@@ -94,3 +95,66 @@ def test_executor_without_clock_sleeps_in_real_time(monkeypatch):
     req = Request("r", [1] * 4, SamplingParams(max_tokens=2))
     out = ex.execute(StepPlan(chunks=[ScheduledChunk(req, 0, 4, True)], num_batched_tokens=4))
     assert slept == [out.step_seconds]
+
+
+# --------------------------------------------------------------------------- KV cache dtype and host tier
+
+H200_FP8 = get_profile("h200-llama3-8b", "fp8_e4m3")
+
+
+@pytest.mark.parametrize("kv_dtype, element_bytes", [
+    ("auto", 2), ("bfloat16", 2), ("float16", 2), ("float32", 4), ("fp8_e4m3", 1), ("fp8_e5m2", 1),
+])
+def test_kv_bytes_per_token_follow_the_cache_dtype(kv_dtype, element_bytes):
+    profile = get_profile("h200-llama3-8b", kv_dtype)
+    assert profile.kv_bytes_per_token == 2 * 32 * 8 * 128 * element_bytes
+    assert profile.model.weight_bytes == H200.model.weight_bytes  # weights stay bf16
+
+
+def test_fp8_doubles_the_pool_and_halves_the_kv_bytes_decode_reads():
+    bf16_blocks, fp8_blocks = kv_blocks_for(H200, 16, 0.9), kv_blocks_for(H200_FP8, 16, 0.9)
+    assert fp8_blocks in (2 * bf16_blocks, 2 * bf16_blocks + 1)  # same bytes, half per block
+    assert kv_blocks_for(get_profile("h200-llama3-8b", "float32"), 16, 0.9) == bf16_blocks // 2
+    batch = [ChunkShape(8000, 1, True)] * 64
+    bf16, fp8 = step_cost(H200, batch), step_cost(H200_FP8, batch)
+    kv_read_bf16 = bf16.bytes - H200.model.weight_bytes
+    kv_read_fp8 = fp8.bytes - H200.model.weight_bytes
+    assert kv_read_fp8 == pytest.approx(kv_read_bf16 / 2)
+    assert fp8.flops == bf16.flops  # dequantized in the kernel: the same math
+    assert fp8.seconds < bf16.seconds
+    # A prefill chunk is compute-bound: the cache dtype does not change its time.
+    prefill = [ChunkShape(0, 4096, True)]
+    assert step_cost(H200_FP8, prefill).seconds == step_cost(H200, prefill).seconds
+
+
+def test_unknown_kv_dtype_is_refused_by_name():
+    with pytest.raises(ValueError, match="kvCacheDtype"):
+        get_profile("h200-llama3-8b", "int4")
+
+
+@pytest.mark.parametrize("profile, blocks, expected_bytes", [
+    (H200, 1, 16 * 128 * 1024),
+    (H200, 10, 10 * 16 * 128 * 1024),
+    (H200_FP8, 10, 10 * 16 * 64 * 1024),
+    (H200, 0, 0),
+])
+def test_host_transfers_cost_block_bytes_over_the_host_link(profile, blocks, expected_bytes):
+    assert kv_transfer_seconds(profile, 16, blocks) == pytest.approx(expected_bytes / profile.gpu.host_link_bytes_per_s)
+
+
+def test_host_tier_copies_add_to_the_step_and_are_counted():
+    config = _config(kvCacheBlocks=100, kvOffload={"hostBytes": 64 * 1024**2})
+    ex = SimulatedExecutor(config, clock=VirtualClock())
+    assert ex.num_host_kv_blocks == 64 * 1024**2 // (16 * 128 * 1024)  # 32 slots of 2 MiB
+    assert SimulatedExecutor(_config(kvCacheBlocks=100)).num_host_kv_blocks == 0
+    req = Request("r", [5] * 64, SamplingParams(max_tokens=2))
+    chunks = [ScheduledChunk(req, 48, 16, True)]
+    plain = ex.execute(StepPlan(chunks=chunks, num_batched_tokens=16))
+    assert plain.kv_restore_seconds is None
+    copied = ex.execute(StepPlan(chunks=chunks, num_batched_tokens=16, kv_offloads=[(7, 0)],
+                                 kv_restores=[(1, 3), (2, 4), (3, 5)]))
+    transfer = kv_transfer_seconds(ex.profile, 16, 4)
+    assert copied.step_seconds == pytest.approx(plain.step_seconds + transfer)
+    assert copied.kv_restore_seconds == pytest.approx(transfer)
+    assert (ex.num_blocks_offloaded, ex.num_blocks_restored) == (1, 3)
+    assert ex.host_link_seconds == pytest.approx(transfer)

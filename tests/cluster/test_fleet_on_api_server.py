@@ -172,8 +172,14 @@ def test_api_server_accepts_and_defaults_autoscaling_and_router(installed: Clust
     assert spec["autoscaling"] == {"enabled": True, "prometheusUrl": "http://p:9090", "minReplicas": 1,
                                    "maxReplicas": 4, "interval": "30s", "window": "2m",
                                    "scaleUp": {"stabilizationWindow": "0s"},
-                                   "scaleDown": {"stabilizationWindow": "5m"}, "kvUsageTarget": 0.75}
+                                   "scaleDown": {"stabilizationWindow": "5m"}, "kvUsageTarget": 0.75,
+                                   "scaleToZeroAfter": "15m"}
     assert spec["router"] == {"enabled": True, "replicas": 1, "serviceAccountName": ROUTER_SA}
+    # Scale to zero: accepted with the router on (without it: AUTOSCALING_INVALID above).
+    zero = tiny_model_service(autoscaling={"enabled": True, "prometheusUrl": "http://p:9090", "minReplicas": 0,
+                                           "maxReplicas": 4, "scaleToZeroAfter": "1h"}, router={"enabled": True})
+    result = installed.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=yaml.safe_dump(zero))
+    assert json.loads(result.stdout)["spec"]["autoscaling"]["minReplicas"] == 0
 
 
 # --------------------------------------------------------------------------- discovery
@@ -268,11 +274,13 @@ def test_router_routes_to_the_replicas_its_endpointslices_name(installed: Cluste
     thread = threading.Thread(target=server.run, daemon=True, name="router")
     url = f"http://127.0.0.1:{port}"
 
-    def ready() -> int:
+    def healthy_replicas() -> int:
+        # /ready answers 200 at zero replicas too: the router holds requests for one (scale from zero).
         try:
-            return httpx.get(url + "/ready", timeout=2, trust_env=False).status_code
+            answer = httpx.get(url + "/ready", timeout=2, trust_env=False)
         except httpx.HTTPError:
-            return 0
+            return -1
+        return answer.json()["healthy_replicas"] if answer.status_code == 200 else -1
 
     with replica_on(address, tmp_path) as (replica_url, replica_port):
         slice_ = endpoint_slice(service, service, {address: True})
@@ -280,14 +288,14 @@ def test_router_routes_to_the_replicas_its_endpointslices_name(installed: Cluste
         installed.apply([slice_])
         thread.start()
         try:
-            wait_for(lambda: ready() == 200, timeout=60, what="the router ready with the discovered replica")
+            wait_for(lambda: healthy_replicas() == 1, timeout=60, what="the router ready with the discovered replica")
             answer = httpx.post(url + "/v1/completions", json={"model": "sim", "prompt": "hi", "max_tokens": 2},
                                 timeout=60, trust_env=False)
             assert answer.status_code == 200, answer.text
             assert answer.headers["x-tokenlane-replica"] == replica_url
             slice_["endpoints"][0]["conditions"]["ready"] = False
             installed.apply([slice_])
-            wait_for(lambda: ready() == 503, timeout=60, what="the router with no ready replica")
+            wait_for(lambda: healthy_replicas() == 0, timeout=60, what="the router with no ready replica")
         finally:
             server.should_exit = True
             thread.join(timeout=30)

@@ -123,7 +123,8 @@ def test_history_round_trips_and_is_pruned_to_the_window():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"min_replicas": 0, "max_replicas": 3}, "scale from zero"),
+    ({"min_replicas": -1, "max_replicas": 3}, "minReplicas must be >= 0"),
+    ({"min_replicas": 0, "max_replicas": 3, "scale_to_zero_after_s": 0}, "scaleToZeroAfter"),
     ({"min_replicas": 4, "max_replicas": 3}, "maxReplicas"),
     ({"min_replicas": 1, "max_replicas": 3, "kv_usage_target": 1.5}, "kvUsage"),
     ({"min_replicas": 1, "max_replicas": 3, "lanes": (LaneScalingTarget("a"), LaneScalingTarget("a"))}, "duplicate"),
@@ -440,3 +441,63 @@ def replica_sample(shares: tuple[float, ...], at: float = NOW) -> FleetSample:
     the_sample = now_sample(share=sum(shares) / len(shares), at=at)
     return dataclasses.replace(the_sample, lanes={"interactive": dataclasses.replace(
         the_sample.lanes["interactive"], replica_running_shares=shares)})
+
+
+# --------------------------------------------------------------------------- scale to zero
+
+ZERO_POLICY = dataclasses.replace(POLICY, min_replicas=0, scale_to_zero_after_s=900.0)
+
+
+def zero_sample(held=0.0, unserved=0.0, in_flight=0.0, recent=0.0, kv=0.1, rate=0.0, at=NOW) -> FleetSample:
+    """A sample with the router's held demand and the idleness measures."""
+    return dataclasses.replace(sample(kv=kv, rate=rate, at=at), held_requests=held, arrivals_without_replica=unserved,
+                               in_flight=in_flight, idle_window_requests=recent)
+
+
+@pytest.mark.parametrize("name, current, the_sample, history, desired, action, says", [
+    ("held demand wakes the pool at once", 0, zero_sample(held=3), (), 1, UP, "scale from zero 0 -> 1"),
+    ("arrivals that found no replica wake it too", 0, zero_sample(unserved=2), (), 1, UP, "2 arrived"),
+    ("no demand at zero: stay at zero", 0, zero_sample(), (), 0, HOLD, "at zero replicas"),
+    ("metrics unavailable at zero: stay at zero", 0, FleetSample.unavailable(NOW, "down"), (), 0, HOLD,
+     "no demand can be seen"),
+    ("router metrics missing at zero: stay at zero, and say so", 0,
+     dataclasses.replace(zero_sample(), held_requests=None, arrivals_without_replica=None), (), 0, HOLD,
+     "is the router scraped?"),
+    ("stale metrics at zero: stay at zero", 0, zero_sample(held=5, at=NOW - 1000), (), 0, HOLD, "stale"),
+    ("idle for scaleToZeroAfter: to zero at once", 4, zero_sample(), covered(4, ZERO_POLICY), 0, DOWN,
+     "scale to zero 4 -> 0"),
+    ("idle without any history: to zero (the window is scaleToZeroAfter)", 1, zero_sample(), (), 0, DOWN,
+     "no request held, in flight or arriving in the last 900s"),
+    ("a request in flight keeps the pool", 1, zero_sample(in_flight=1), covered(1, ZERO_POLICY), 1, HOLD, "holding"),
+    ("a held request keeps the pool", 1, zero_sample(held=1), covered(1, ZERO_POLICY), 1, HOLD, "holding"),
+    ("a recent arrival keeps the pool", 1, zero_sample(recent=1), covered(1, ZERO_POLICY), 1, HOLD, "holding"),
+    ("idleness not measured keeps the pool", 1, dataclasses.replace(zero_sample(), idle_window_requests=None),
+     covered(1, ZERO_POLICY), 1, HOLD, "holding"),
+    ("the other signals never reach zero on their own", 3,
+     zero_sample(kv=0.01, rate=10.0, in_flight=2, recent=50), covered(0, ZERO_POLICY), 2, DOWN, "scale down 3 -> 2"),
+])
+def test_scale_to_zero_decisions(name, current, the_sample, history, desired, action, says):
+    decision = decide(ZERO_POLICY, current, the_sample, history, NOW)
+    assert (decision.desired, decision.action) == (desired, action), decision.reason
+    assert says in decision.reason, decision.reason
+    assert decision.history[-1] == Recommendation(NOW, decision.recommendation)
+
+
+def test_without_min_zero_the_idle_pool_keeps_its_floor():
+    policy = dataclasses.replace(ZERO_POLICY, min_replicas=1)
+    decision = decide(policy, 1, zero_sample(), covered(1, policy), NOW)
+    assert decision.desired == 1
+
+
+@given(current=st.integers(0, 20), held=st.sampled_from([0.0, 2.0]), in_flight=st.sampled_from([0.0, 3.0, None]),
+       recent=st.sampled_from([0.0, 7.0, None]), kv=st.floats(0.0, 1.0))
+@settings(max_examples=200, deadline=None)
+def test_zero_only_when_idle_and_never_stuck_at_zero_with_demand(current, held, in_flight, recent, kv):
+    the_sample = dataclasses.replace(zero_sample(held=held, kv=kv, rate=10.0), in_flight=in_flight,
+                                     idle_window_requests=recent)
+    decision = decide(ZERO_POLICY, current, the_sample, covered(current, ZERO_POLICY), NOW)
+    assert 0 <= decision.desired <= ZERO_POLICY.max_replicas
+    if decision.desired == 0 and current > 0:
+        assert held == 0 and in_flight == 0 and recent == 0
+    if current == 0 and held > 0:
+        assert decision.desired == 1

@@ -191,13 +191,19 @@ def test_tiny_model_then_serve_answer_a_completion(runtime_container, rendered, 
     # The engine loaded a prebuilt native library (no compiler in the image to build one).
     served_log = log.read_text()
     assert "native CPU kernels loaded: level " in served_log and ", prebuilt, " in served_log, served_log[-4000:]
+    # The start-up log states its phases, process start to ready (runtime/core/startup.py).
+    from tokenlane.runtime.core.startup import PHASES, parse_summary
+
+    startup = parse_summary(served_log)
+    assert startup is not None and set(startup[1]) <= set(PHASES) and "load" in startup[1], served_log[-4000:]
 
     choice = completion.choices[0]
     assert completion.model == served_name
     assert choice.finish_reason == "length" and completion.usage.completion_tokens == 8
     assert isinstance(choice.text, str) and choice.text
     print(f"\nsmoke: {runtime_container.image} ready in {ready_s:.0f}s; completion {completion.model_dump_json()}")
-    images_report["runtime_smoke"] = {"ready_seconds": round(ready_s, 1), "completion": completion.model_dump()}
+    images_report["runtime_smoke"] = {"ready_seconds": round(ready_s, 1), "startup_phases": startup[1],
+                                      "completion": completion.model_dump()}
 
     # Read-only root, by its effect: nothing the two containers did changed the image's files.
     after = snapshot(rootfs, skip)

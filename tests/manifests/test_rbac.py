@@ -54,8 +54,11 @@ def _operator_calls(ns: str) -> set[Call]:
     add("apps", "deployments", "list", "watch")
     # executor: observe by label (list), create when missing, server-side apply (patch), delete.
     for group, resource in [("apps", "deployments"), ("", "services"), ("", "configmaps"),
-                            ("policy", "poddisruptionbudgets"), ("monitoring.coreos.com", "servicemonitors")]:
+                            ("policy", "poddisruptionbudgets"), ("monitoring.coreos.com", "servicemonitors"),
+                            ("inference.networking.k8s.io", "inferencepools")]:
         add(group, resource, "list", "create", "patch", "delete")
+    # reads.runtime_pods(): the fetch-model init containers of a huggingFace / s3 source (ModelAvailable).
+    add("", "pods", "list")
     # k8s.post_event() (handlers and tuner) and kopf itself: Events explaining reconciles, decisions, rollbacks.
     add("", "events", "create")
     # ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement).
@@ -130,7 +133,7 @@ def _recorded_calls(mode: str) -> Optional[set[Call]]:
 
 _NAMESPACED_RESOURCES = {
     "modelservices", "servinglanes", "modelservices/status", "servinglanes/status", "deployments", "services",
-    "configmaps", "poddisruptionbudgets", "servicemonitors", "events", "kopfpeerings",
+    "configmaps", "poddisruptionbudgets", "servicemonitors", "events", "kopfpeerings", "pods", "inferencepools",
 }
 
 
@@ -273,6 +276,17 @@ def test_namespaced_mode_cannot_touch_other_namespaces():
     grants = operator_grants("manifests/overlays/namespaced")
     for call in _operator_calls("someone-elses-namespace"):
         assert not allowed(grants, call), f"namespaced mode may {call}"
+
+
+@pytest.mark.parametrize("rel", OVERLAYS)
+def test_model_sources_need_no_secret_reads(rel):
+    """huggingFace / s3 credentials reach the fetch-model init container as secretKeyRefs, which
+    the kubelet resolves: the operator reads pods (ModelAvailable) but never a Secret."""
+    grants = operator_grants(rel)
+    for verb in ("get", "list", "watch"):
+        assert not allowed(grants, Call(verb, "", "secrets", WORKLOAD_NAMESPACE)), f"{rel} may {verb} Secrets"
+    assert allowed(grants, Call("list", "", "pods", WORKLOAD_NAMESPACE))
+    assert not allowed(grants, Call("get", "", "pods/log", WORKLOAD_NAMESPACE))
 
 
 def test_the_authorizer_can_refuse():

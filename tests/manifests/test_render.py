@@ -29,6 +29,7 @@ EXTERNAL_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),  # checked below against the upstream CRD
 }
 
 
@@ -120,6 +121,27 @@ def test_custom_resources_validate_against_our_crds():
     assert "KopfPeering" in checked and "ClusterKopfPeering" in checked
     if samples_present():
         assert "ModelService" in checked and "ServingLane" in checked
+
+
+def test_rendered_inference_pools_validate_against_the_upstream_crd():
+    """The InferencePool the operator renders for a sample (spec.gateway) passes the schema and
+    CEL rules of the Gateway API Inference Extension's CRD (../shared/k8s/thirdparty-crds)."""
+    import os
+    from pathlib import Path
+
+    import yaml
+
+    shared = Path(os.environ.get("TOKENLANE_SHARED_K8S", MANIFESTS.parent.parent / "shared" / "k8s"))
+    crd_file = shared / "thirdparty-crds" / "inference.networking.k8s.io_inferencepools.yaml"
+    if not crd_file.exists():
+        pytest.skip(f"the upstream InferencePool CRD is not at {crd_file}")
+    crd = yaml.safe_load(crd_file.read_text())
+    pools = [obj for obj in _operator_rendered("llama3-8b-lora.yaml") if obj["kind"] == "InferencePool"]
+    assert pools, "llama3-8b-lora.yaml renders no InferencePool"
+    for pool in pools:
+        assert validate_custom_resource(pool, crd) == [], _id(pool)
+    broken = {**pools[0], "spec": {**pools[0]["spec"], "targetPorts": []}}
+    assert validate_custom_resource(broken, crd)
 
 
 def test_crd_validation_catches_bad_resources():
@@ -242,7 +264,7 @@ def _runtime_pod_templates(sample: str) -> list[dict]:
     return templates
 
 
-@pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "llama3-8b.yaml"])
+@pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "llama3-8b.yaml", "llama3-8b-lora.yaml"])
 def test_runtime_networkpolicy_selects_the_pods_the_operator_renders(sample):
     (policy,) = [o for o in render("manifests/overlays/namespaced") if o["kind"] == "NetworkPolicy"]
     selector = policy["spec"]["podSelector"]["matchLabels"]
@@ -254,7 +276,7 @@ def test_runtime_networkpolicy_selects_the_pods_the_operator_renders(sample):
         assert port_names <= {p["name"] for p in runtime["ports"]}
 
 
-@pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "llama3-8b.yaml"])
+@pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "llama3-8b.yaml", "llama3-8b-lora.yaml"])
 def test_rendered_runtime_pods_meet_the_restricted_pod_security_standard(sample):
     """Namespace `tokenlane` enforces `restricted`: pods that miss it would be refused."""
     for template in _runtime_pod_templates(sample):

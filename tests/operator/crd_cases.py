@@ -40,7 +40,22 @@ MSVC_INVALID = [
     ("spec.engine.blockSize", 24, "blockSize must be a power of two"),
     ("spec.model.source.hostPath", {"path": "/data"}, "set at most one of pvc, hostPath, tinyModel"),
     ("spec.model.path", "/opt/model", "with a source, path must lie under /models/"),
+    ("spec.model.source.s3", {"uri": "s3://weights/llama3-8b"}, "set at most one of pvc, hostPath, tinyModel"),
+    ("spec.model.source.huggingFace", {"repo": "meta-llama/Meta-Llama-3-8B"},
+     "set at most one of pvc, hostPath, tinyModel, huggingFace, s3"),
+    ("spec.model.cache", {"pvc": {"claimName": "model-cache"}}, "cache needs a huggingFace or s3 source"),
+    ("spec.model.cache", {"pvc": {"claimName": "model-cache"}, "nodeLocal": {"path": "/var/cache/models"}},
+     "set at most one of pvc, nodeLocal"),
     ("spec.tuning.prometheusUrl", None, "tuning.enabled needs tuning.prometheusUrl"),
+    ("spec.adapters", [{"name": "sql", "source": {}}], "set exactly one of pvc, hostPath, huggingFace, s3"),
+    ("spec.adapters", [{"name": "sql", "source": {"s3": {"uri": "s3://loras/sql"},
+                                                  "hostPath": {"path": "/loras/sql"}}}],
+     "set exactly one of pvc, hostPath, huggingFace, s3"),
+    ("spec.adapters", [{"name": "llama3-8b", "source": {"s3": {"uri": "s3://loras/sql"}}}],
+     "must differ from the served model name"),
+    ("spec.adapters", [{"name": "sql", "source": {"pvc": {"claimName": "loras", "path": "sql/../../etc"}}}],
+     "path must stay inside the volume"),
+    ("spec.gateway", {"inferencePool": {"enabled": True}}, "inferencePool.enabled needs inferencePool.endpointPicker"),
 ]
 
 # (field, value, message) on the llama3-8b-interactive sample.
@@ -56,6 +71,14 @@ OUT_OF_RANGE = [
     ("spec.replicas", -1), ("spec.scheduler.policy", "fifo"), ("spec.gpus.count", 17),
     ("spec.scheduler.kvCacheHighWatermark", 0), ("spec.model.dtype", "int4"), ("spec.bogus", 1),
     ("spec.tenants", [{"name": "a", "apiKeySha256": "not-hex"}]),
+    ("spec.model.source", {"s3": {"uri": "https://weights.example.com/llama"}}),
+    ("spec.model.source", {"huggingFace": {"repo": "no-organisation"}}),
+    ("spec.model.source", {"huggingFace": {"repo": "org/name", "endpoint": "mirror.local"}}),
+    ("spec.model.source", {"huggingFace": {"repo": "org/name", "tokenSecretRef": {"name": "Not_A_Name"}}}),
+    ("spec.adapters", [{"name": "Not_A_Name", "source": {"s3": {"uri": "s3://loras/sql"}}}]),
+    ("spec.adapters", [{"name": "sql", "source": {"huggingFace": {"repo": "no-organisation"}}}]),
+    ("spec.engine.maxLoraRank", 4096),
+    ("spec.gateway.inferencePool.endpointPicker.failureMode", "Sometimes"),
 ]
 
 

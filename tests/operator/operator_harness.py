@@ -44,6 +44,7 @@ RESOURCES = {
     "v1/services": ("Service", True, ("status",)),
     "v1/configmaps": ("ConfigMap", True, ()),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, ("status",)),
+    "v1/pods": ("Pod", True, ("status",)),  # read for the fetch-model init containers (ModelAvailable)
 }
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 NS = "tokenlane-demo"
@@ -131,7 +132,8 @@ class Cluster:
         key = {"modelservices": "tokenlane.dev/v1alpha1/modelservices",
                "servinglanes": "tokenlane.dev/v1alpha1/servinglanes",
                "deployments": "apps/v1/deployments", "services": "v1/services", "configmaps": "v1/configmaps",
-               "poddisruptionbudgets": "policy/v1/poddisruptionbudgets", "events": "v1/events"}[plural]
+               "poddisruptionbudgets": "policy/v1/poddisruptionbudgets", "events": "v1/events",
+               "pods": "v1/pods"}[plural]
         for (res, ns_, name_), obj in self.kmock.objects.items():
             if f"{res.group + '/' if res.group else ''}{res.version}/{res.plural}" == key and ns_ == ns \
                     and name_ == name and not obj.deleted:

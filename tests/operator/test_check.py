@@ -33,10 +33,11 @@ CLEAN: dict[str, Any] = {
     "model": {"path": "/models/m", "maxModelLen": 4096},
     "engine": {"blockSize": 16, "kvCacheBlocks": 4096},
     "scheduler": {"maxActiveSequences": 8, "maxWaitingRequests": 512, "maxBatchedTokens": 4096,
-                  "prefillChunkSize": 1024, "queueTimeoutMs": 30000, "streamIdleTimeoutMs": 10000},
+                  "prefillChunkSize": 1024, "queueTimeoutMs": 30000, "streamIdleTimeoutMs": 10000,
+                  "stepTimeBudget": "auto"},
     "lanes": [
         {"name": "interactive", "class": "interactive", "priority": 100, "default": True, "queueTimeoutMs": 2000,
-         "slo": {"ttftP95Ms": 500, "tpotP95Ms": 60}},
+         "kvCacheReserved": 0.05, "slo": {"ttftP95Ms": 500, "tpotP95Ms": 60}},
         {"name": "long-context", "class": "long-context", "priority": 50, "maxActiveSequences": 4,
          "match": {"minPromptTokens": 2048}, "slo": {"ttftP95Ms": 8000}},
         {"name": "batch", "class": "batch", "priority": 10, "queueTimeoutMs": 600000, "maxWaitingRequests": 256,
@@ -158,6 +159,14 @@ CASES = [
      edit(**{"scheduler.maxActiveSequences": 16, "lanes.long-context.maxActiveSequences": 14})),
     ("kv-overcommit", edit(**{"scheduler.maxActiveSequences": 15}), "scheduler.maxActiveSequences",
      edit(**{"scheduler.maxActiveSequences": 14})),
+    ("lane-isolation-off", edit(**{"scheduler.stepTimeBudget": "off"}), "scheduler.stepTimeBudget",
+     edit(**{"scheduler.stepTimeBudget": "off", "lanes.interactive.slo": {"e2eP95Ms": 2000}})),
+    ("lane-isolation-off", edit(**{"lanes.interactive.kvCacheReserved": None}), "lanes[interactive].kvCacheReserved",
+     edit(**{"lanes.interactive.kvCacheReserved": 0.01})),
+    # Nobody below it to be isolated from.
+    ("lane-isolation-off", edit(**{"lanes.interactive.kvCacheReserved": 0.0}), "lanes[interactive].kvCacheReserved",
+     edit(**{"lanes.interactive.kvCacheReserved": None, "scheduler.stepTimeBudget": "off",
+             "lanes.long-context.priority": 100, "lanes.batch.priority": 100, "lanes.batch.queueTimeoutMs": 600000})),
     ("tenant-keys-missing", edit(**{"tenants": [{"name": "team-a"}, {"name": "team-b"}]}), "tenants",
      edit(**{"tenants": [{"name": "team-a"}]})),
     ("tenant-without-key", edit(**{"tenants": [{"name": "team-a", "apiKeySha256": KEY_A}, {"name": "team-b"}]}),
@@ -184,8 +193,9 @@ def test_rule_fires_and_stays_quiet_at_its_boundary(rule, breaks, key, boundary)
 
 def test_every_rule_has_a_case_or_a_test_of_its_own():
     covered = {case[0] for case in CASES} | {
-        "config-invalid", "max-model-len-above-checkpoint", "tenant-lane-unknown", "replicas-single",
-        "tuning-without-slo", "rollout-without-prometheus", "alerts-not-found", "alerts-missing"}
+        "kv-long-context-fits-fp8", "config-invalid", "max-model-len-above-checkpoint", "tenant-lane-unknown", "replicas-single",
+        "tuning-without-slo", "rollout-without-prometheus", "alerts-not-found", "alerts-missing",
+        "model-source-without-cache"}
     assert covered == set(checklist.RULES)
 
 
@@ -242,6 +252,33 @@ def test_kv_rules_run_on_cpu_when_the_checkpoint_is_readable(tmp_path):
     edit(**{"engine.device": "auto"})(data)
     assert "kv-pool-unknown" in rules_of(run_rules(data))
     assert "kv-pool-below-max-model-len" not in rules_of(run_rules(data))
+
+
+def test_fp8_advice_where_a_long_context_lane_fits_only_an_fp8_cache(tmp_path):
+    folder = write_checkpoint(tmp_path / "m")
+    # float32 on the CPU: 2 KiB per token, 1/64 GiB = 8192 tokens, 7208 below the 0.88 watermark;
+    # fp8 (1 byte) holds 4x: 28835. Two long-context requests of 4096 tokens need 8192.
+    data = copy.deepcopy(CLEAN)
+    edit(**{"model.path": str(folder), "model.maxModelLen": 4096, "engine.kvCacheBlocks": None,
+            "engine.device": "cpu", "engine.cpuKvCacheGib": 1 / 64, "scheduler.maxActiveSequences": 2,
+            "lanes.long-context.maxActiveSequences": 2, "scheduler.maxBatchedTokens": 2048,
+            "scheduler.prefillChunkSize": 1024})(data)
+    findings = run_rules(data)
+    (advice,) = [f for f in findings if f.rule == "kv-long-context-fits-fp8"]
+    assert advice.key == "engine.kvCacheDtype" and advice.lane == "long-context" and advice.severity == "warning"
+    assert "need 8192 tokens" in advice.message and "holds 7208" in advice.message and "28835" in advice.message
+    assert "fp8_e4m3" in advice.fix
+    # Quiet where fp8 is already on, where fp8 would not be enough either, and where it already fits.
+    for change in ({"engine.kvCacheDtype": "fp8_e5m2"},
+                   {"lanes.long-context.maxActiveSequences": 8, "scheduler.maxActiveSequences": 8},
+                   {"lanes.long-context.maxActiveSequences": 1}):
+        quiet = copy.deepcopy(data)
+        edit(**change)(quiet)
+        assert "kv-long-context-fits-fp8" not in rules_of(run_rules(quiet)), change
+    # An explicit block count does not grow with a narrower dtype: no advice.
+    explicit = copy.deepcopy(data)
+    edit(**{"engine.kvCacheBlocks": 450})(explicit)
+    assert "kv-long-context-fits-fp8" not in rules_of(run_rules(explicit))
 
 
 def test_max_model_len_above_the_checkpoint(tmp_path):
@@ -320,6 +357,9 @@ def test_demo_config_findings(tmp_path):
         ("interactive-queue-timeout-long", "lanes[interactive].queueTimeoutMs"),  # 10 s vs a 500 ms TTFT
         ("kv-long-context-overcommit", "lanes[long-context].maxActiveSequences"),  # 16 x 2048 > 1024 blocks
         ("kv-overcommit", "scheduler.maxActiveSequences"),
+        # It shows the lanes without isolation (docs/tuning.md, "Lane isolation").
+        ("lane-isolation-off", "scheduler.stepTimeBudget"),
+        ("lane-isolation-off", "lanes[interactive].kvCacheReserved"),
     }
     assert report.exit_status(strict=False) == 0
 
@@ -365,6 +405,9 @@ def test_manifest_findings_point_at_the_field_to_edit(tmp_path):
         ("kv-overcommit", "ModelService team/m", "spec.scheduler.maxActiveSequences"),  # info: 16 x 4096 tokens
         ("tenant-lane-unknown", "ModelService team/m", "spec.tenants[web].lanes"),
         ("config-invalid", "ServingLane team/m-other", "spec"),
+        # The interactive lane shares the shared pool with the batch lane, unprotected.
+        ("lane-isolation-off", "ModelService team/m", "spec.scheduler.stepTimeBudget"),
+        ("lane-isolation-off", "ServingLane team/m-interactive", "spec.budgets.kvCacheReserved"),
     }
     (refused,) = [f for f in report.findings if f.rule == "config-invalid"]
     assert "default lane" in refused.message
@@ -390,6 +433,24 @@ def test_model_service_rules(tmp_path):
     path.write_text(yaml.safe_dump(msvc))
     found = {(f.rule, f.key) for f in run_manifests(path).findings}
     assert ("rollout-without-prometheus", "spec.tuning.prometheusUrl") in found
+
+
+def test_fetched_model_source_without_cache(tmp_path):
+    msvc = yaml.safe_load(MSVC)
+    msvc["spec"]["replicas"] = 3
+    msvc["spec"]["model"]["path"] = "/models/m"
+    msvc["spec"]["model"]["source"] = {"huggingFace": {"repo": "acme/m"}}
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(msvc))
+    (finding,) = [f for f in run_manifests(path).findings if f.rule == "model-source-without-cache"]
+    assert finding.key == "spec.model.cache" and finding.severity == "warning" and "3 pods" in finding.message
+    msvc["spec"]["model"]["cache"] = {"pvc": {"claimName": "model-cache"}}
+    path.write_text(yaml.safe_dump(msvc))
+    assert not [f for f in run_manifests(path).findings if f.rule == "model-source-without-cache"]
+    msvc["spec"]["model"].pop("cache")
+    msvc["spec"]["replicas"] = 1  # one pod downloads once: nothing to share
+    path.write_text(yaml.safe_dump(msvc))
+    assert not [f for f in run_manifests(path).findings if f.rule == "model-source-without-cache"]
 
 
 def test_invalid_model_service_is_one_error_finding(tmp_path):

@@ -52,6 +52,7 @@ AUTOSCALING_INVALID = [
     ({**AUTOSCALING, "lanes": [{"lane": "interactive"}]}, "a lane target needs queueDelayP95Ms or sloAttainmentPercent"),
     ({**AUTOSCALING, "lanes": [{"lane": "interactive", "sloAttainmentPercent": 100}]},
      "sloAttainmentPercent must be < 100"),
+    ({**AUTOSCALING, "minReplicas": 0}, "autoscaling.minReplicas 0 needs router.enabled"),  # no spec.router
 ]
 
 
@@ -124,8 +125,11 @@ def test_queries_select_the_model_in_its_namespace_only():
     promql = scaling.queries("tiny", 120, "team-a")
     assert all('model="tiny"' in q and 'namespace="team-a"' in q for q in promql.values())
     load_now = {"waiting", "running", "running_by_replica"}  # averaged over the last quarter of the window only
-    assert all("[120s" in q for name, q in promql.items() if name not in load_now | {"max_active"})
+    assert all("[120s" in q for name, q in promql.items() if name not in load_now | {"max_active", "held"})
     assert all("[30s]" in promql[name] for name in load_now)
+    assert "[30s:]" in promql["held"]  # the router's held requests: the most over the last quarter
+    assert "idle_window_requests" not in promql  # only with minReplicas 0
+    assert "[900s]" in scaling.queries("tiny", 120, "team-a", idle_s=900)["idle_window_requests"]
     with pytest.raises(ValueError, match="quotes"):
         scaling.queries('x"}', 60)
 
@@ -348,3 +352,66 @@ def test_router_name_clash_with_a_dedicated_lane_is_refused():
     msvc = parse_model_service(docs[0])
     with pytest.raises(ValueError, match="router's objects are named"):
         builders.build(msvc, [parse_serving_lane(lane)])
+
+
+# --------------------------------------------------------------------------- scale to zero
+
+ZERO = {**AUTOSCALING, "minReplicas": 0, "scaleToZeroAfter": "20m"}
+
+
+def test_min_zero_with_the_router_is_valid_and_reaches_the_policy():
+    from test_crds import cel_failures
+
+    from tokenlane.operator.api import schema
+
+    doc = copy.deepcopy(tiny_docs()[0])
+    doc["spec"].update(autoscaling=ZERO, router={"enabled": True})
+    assert not cel_failures("ModelService", schema.apply_defaults(schema.crd_schema("ModelService"), doc))
+    msvc = parse_model_service(doc)
+    settings = scaling.settings_from_spec(msvc.settings.autoscaling)
+    assert (settings.policy.min_replicas, settings.policy.scale_to_zero_after_s) == (0, 1200.0)
+    default = scaling.settings_from_spec(model_service({"autoscaling": {k: v for k, v in ZERO.items() if k != "scaleToZeroAfter"},
+                                                        "router": {"enabled": True}}).settings.autoscaling)
+    assert default.policy.scale_to_zero_after_s == 900.0  # the CRD's 15m
+
+
+def test_min_zero_without_the_router_is_an_invalid_spec_naming_both_fields():
+    # What the CEL rule refuses is refused again when typing the spec (an invalid-spec status).
+    with pytest.raises(ValueError, match=r"spec\.autoscaling\.minReplicas.*spec\.router\.enabled"):
+        model_service({"autoscaling": ZERO, "router": {"enabled": False}})
+
+
+def test_fleet_sample_reads_the_routers_held_demand_and_idleness():
+    results = {"held": [Series({}, 2.0)], "without_replica": [Series({}, 5.0)],
+               "idle_window_requests": [Series({}, 0.0)],
+               "waiting": [Series({"lane": "interactive"}, 0.0)], "running": [Series({"lane": "interactive"}, 0.0)]}
+    sample = scaling.fleet_sample(results, at=100.0, window_s=60.0, targets_s={})
+    assert (sample.held_requests, sample.arrivals_without_replica, sample.in_flight, sample.idle_window_requests) \
+        == (2.0, 5.0, 0.0, 0.0)
+    empty = scaling.fleet_sample({}, at=100.0, window_s=60.0, targets_s={})  # nothing exported: unknown
+    assert (empty.held_requests, empty.in_flight, empty.idle_window_requests) == (None, None, None)
+
+
+def test_reasons_and_ready_condition_at_zero():
+    from tokenlane.operator.desired import status
+
+    policy = autoscaler.AutoscalingPolicy(0, 3)
+    woken = autoscaler.decide(policy, 0, autoscaler.FleetSample(at=1.0, window_s=60.0, held_requests=1.0), (), 1.0)
+    assert scaling.reason_of(woken, None, 0) == "ScaledFromZero"
+    idle = autoscaler.FleetSample(at=1.0, window_s=60.0, held_requests=0.0, in_flight=0.0, idle_window_requests=0.0)
+    asleep = autoscaler.decide(policy, 2, idle, (), 1.0)
+    assert asleep.desired == 0 and scaling.reason_of(asleep, idle, 2) == "ScaledToZero"
+
+    msvc = model_service({"autoscaling": ZERO, "router": {"enabled": True}},
+                         status={"autoscaling": {"desiredReplicas": 0, "currentReplicas": 2, "reason": "ScaledToZero"}})
+    lanes = [parse_serving_lane(d) for d in tiny_docs() if d["kind"] == "ServingLane"]
+    desired = builders.build(msvc, lanes)
+    assert desired.shared.replicas == 0 and builders.shared_replicas(msvc) == 0
+    deployments = {desired.shared.object_name: {"status": {"replicas": 0, "readyReplicas": 0}}}
+    conditions = {c["type"]: c for c in status.model_service_status(msvc, desired, deployments, "t")["conditions"]}
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("True", "ScaledToZero")
+    assert conditions["Degraded"]["status"] == "False"
+    shared_lane = next(lane for lane in lanes if not lane.dedicated)
+    lane_ready = next(c for c in status.lane_status(shared_lane, msvc, desired, deployments, "t")["conditions"]
+                      if c["type"] == "Ready")
+    assert (lane_ready["status"], lane_ready["reason"]) == ("True", "ScaledToZero")

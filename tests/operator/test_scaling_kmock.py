@@ -34,15 +34,22 @@ class FleetMetrics:
         self.reads: list[str] = []
         self.hold: asyncio.Event | None = None
         self.holding = asyncio.Event()
+        # Scale to zero: the router's held requests now, and the requests seen over scaleToZeroAfter.
+        self.held = 0.0
+        self.recent = 0.0
+        self.idle_windows: list[float] = []
 
-    async def __call__(self, url, model, window_s, targets_s, *, namespace, at) -> FleetSample:
+    async def __call__(self, url, model, window_s, targets_s, *, namespace, at, idle_s=None) -> FleetSample:
         self.reads.append(model)
+        if idle_s is not None:
+            self.idle_windows.append(idle_s)
         if self.hold is not None:
             self.holding.set()
             await self.hold.wait()
         if self.kv_usage is None:
             return FleetSample.unavailable(at, "Prometheus is down (test)")
-        return FleetSample(at=at, window_s=window_s, kv_usage=self.kv_usage)
+        return FleetSample(at=at, window_s=window_s, kv_usage=self.kv_usage, held_requests=self.held,
+                           in_flight=self.recent, idle_window_requests=self.recent)
 
 
 # The timer's tick (`tokenlane operator --autoscaling-tick-seconds`): a run comes at most one
@@ -131,3 +138,39 @@ async def test_deleted_mid_run_the_finalizer_goes_once_the_run_returns(scaled, t
     scaled.metrics.hold.set()
     await scaled.wait_for(lambda: scaled.obj("modelservices", "tiny") is None, timeout=20,
                           what="the finalizer released once the run returned")
+
+
+def ready_condition(cluster, name="tiny") -> tuple:
+    conds = (cluster.obj("modelservices", name).get("status") or {}).get("conditions") or []
+    ready = next((c for c in conds if c["type"] == "Ready"), {})
+    return ready.get("status"), ready.get("reason")
+
+
+async def test_idle_pool_scales_to_zero_and_held_demand_wakes_it(scaled, tiny_samples, kmock):
+    msvc = copy.deepcopy(tiny_samples[0])
+    msvc["spec"].update(replicas=1, router={"enabled": True},
+                        autoscaling={**AUTOSCALING, "minReplicas": 0, "maxReplicas": 2, "scaleToZeroAfter": "10m"})
+    scaled.metrics.kv_usage = 0.1
+    scaled.metrics.recent = 3.0  # requests in the last scaleToZeroAfter: the pool stays
+    await scaled.create(msvc)
+    await scaled.wait_for(lambda: replicas(scaled) == 1, what="the pool at spec.replicas")
+    await mark_ready(scaled, 1)
+    await scaled.wait_for(lambda: scaled.metrics.idle_windows, what="a read with the idle window")
+    assert set(scaled.metrics.idle_windows) == {600.0}
+    assert replicas(scaled) == 1
+
+    scaled.metrics.recent = 0.0  # idle for scaleToZeroAfter
+    await scaled.wait_for(lambda: replicas(scaled) == 0, timeout=30, what="scaled to zero")
+    await mark_ready(scaled, 0)
+    await scaled.wait_for(lambda: ready_condition(scaled) == ("True", "ScaledToZero"), timeout=30,
+                          what="Ready with reason ScaledToZero")
+    status = scaled.obj("modelservices", "tiny")["status"]
+    assert status["autoscaling"]["reason"] == "ScaledToZero" and status["autoscaling"]["desiredReplicas"] == 0
+    assert not any(c["type"] == "Degraded" and c["status"] == "True" for c in status["conditions"])
+    assert scaled.obj("deployments", "tiny-router")["spec"]["replicas"] == 1  # the router stays up
+
+    scaled.metrics.held = 2.0  # the router holds requests: 0 -> 1 at once
+    await scaled.wait_for(lambda: replicas(scaled) == 1, timeout=30, what="woken from zero")
+    assert scaled.obj("modelservices", "tiny")["status"]["autoscaling"]["reason"] == "ScaledFromZero"
+    assert scaled.obj("modelservices", "tiny")["spec"]["replicas"] == 1
+    assert spec_writes(kmock) == []

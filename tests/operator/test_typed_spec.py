@@ -185,7 +185,8 @@ def test_enum_values_are_the_status_strings():
     assert [a.value for a in rollout.GuardAction] == ["none", "wait", "start", "promote", "rollback",
                                                       "hold_rolled_back", "fallback", "fail"]
     assert [p.value for p in rollout.Phase] == ["Verifying", "Stable", "RolledBack", "Fallback", "Failed"]
-    assert [r.value for r in autoscaler.ScalingReason] == ["ScaledUp", "ScaledDown", "Holding", "MetricsUnavailable"]
+    assert [r.value for r in autoscaler.ScalingReason] == ["ScaledUp", "ScaledDown", "Holding", "MetricsUnavailable",
+                                                              "ScaledFromZero", "ScaledToZero"]
     assert f"{HoldReason.SETTLING_WINDOW}" == "SettlingWindow" and rollout.ROLLBACK == "rollback"
 
 

@@ -450,10 +450,10 @@ def test_panel_sized_steps_run_as_pool_steps_with_transformers_tokens(tiny_model
             pool_steps.append(self.threads)
             return super().__enter__()
 
-    def run(self, chunks, output):
+    def run(self, chunks, output, adapter_slots=None):
         tokens = sum(c.num_tokens for c in chunks)
         before = len(pool_steps)
-        real_run(self, chunks, output)
+        real_run(self, chunks, output, adapter_slots)
         if len(pool_steps) == before:
             other_steps.append(tokens)
         assert torch.get_num_threads() == 2
