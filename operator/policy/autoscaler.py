@@ -301,7 +301,7 @@ def decide(policy: AutoscalingPolicy, current: int, sample: Optional[FleetSample
 def _zero_rules(policy: AutoscalingPolicy, current: int, sample: Optional[FleetSample],
                 history: Sequence[Recommendation], now: float) -> Optional[ScalingDecision]:
     """The scale-to-zero rules (module docstring), or None when the other rules decide."""
-    missing = _missing_zero_data(policy, sample, now)
+    missing = _sample_unavailable(policy, sample, now)
     if current == 0:
         if missing:
             desired, reason = 0, f"holding at 0: {missing}; no demand can be seen"
@@ -331,8 +331,9 @@ def _zero_rules(policy: AutoscalingPolicy, current: int, sample: Optional[FleetS
     return ScalingDecision(0, DOWN, reason, 0, _remember(history, Recommendation(now, 0), policy, now))
 
 
-def _missing_zero_data(policy: AutoscalingPolicy, sample: Optional[FleetSample], now: float) -> str:
-    """Why the sample cannot tell demand from idleness, or "" when it can."""
+def _sample_unavailable(policy: AutoscalingPolicy, sample: Optional[FleetSample], now: float) -> str:
+    """Why there is no usable sample at all (none, unavailable, stale), or "" when there is:
+    all that scaling to and from zero needs; the other rules need more (`_missing_data`)."""
     if sample is None:
         return "no metrics yet"
     if not sample.available:
@@ -349,13 +350,9 @@ def _direction(current: int, desired: int) -> ScalingAction:
 
 def _missing_data(policy: AutoscalingPolicy, sample: Optional[FleetSample], now: float) -> str:
     """Why the sample cannot be used, or "" when it can."""
-    if sample is None:
-        return "no metrics yet"
-    if not sample.available:
-        return f"metrics unavailable ({sample.error or 'no reason given'})"
-    age = now - sample.at
-    if age > policy.max_sample_age_s:
-        return f"metrics are stale ({age:.0f}s old, limit {policy.max_sample_age_s:.0f}s)"
+    missing = _sample_unavailable(policy, sample, now)
+    if missing or sample is None:
+        return missing
     has_kv = sample.kv_usage is not None and policy.kv_usage_target is not None
     if not has_kv and not any(_counts(policy, sample, t.lane) for t in policy.lanes):
         return "no KV usage and too few requests in every lane to judge latency"

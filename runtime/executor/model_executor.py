@@ -360,12 +360,25 @@ class ModelExecutor:
         """Per-layer fp8 scales from one forward pass over `calibration_token_ids`, into a small
         temporary cache in the compute dtype (scale 1: it keeps K and V as they are)."""
         tokens = min(FP8_CALIBRATION_TOKENS, self.max_model_len)
+        ids = torch.tensor(calibration_token_ids(tokens, self.vocab_size), dtype=torch.long, device=self.device)
+        caches, pos, meta = self._one_sequence_pass(tokens, self.compute_dtype)
+        self.model(ids, pos, caches, meta, torch.zeros(0, dtype=torch.long, device=self.device))
+        fmax = torch.finfo(self.kv_dtype).max
+        scales = []
+        for key_cache, value_cache in caches:
+            amax = torch.stack([key_cache.abs().max(), value_cache.abs().max()]).float().tolist()
+            # A layer whose K or V are all zero (cannot happen with real weights) keeps scale 1.
+            scales.append(tuple(a * FP8_SCALE_HEADROOM / fmax if a > 0 else 1.0 for a in amax))
+        return scales
+
+    def _one_sequence_pass(self, tokens: int, cache_dtype: torch.dtype):
+        """A scratch cache and the metadata of one fresh sequence of `tokens` tokens in a single
+        chunk (for the start-up passes: fp8 calibration, activation profiling)."""
         n_blocks = -(-tokens // self.block_size)
         shape = (n_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.compute_dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.compute_dtype, device=self.device))
+        caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
+                   torch.zeros(shape, dtype=cache_dtype, device=self.device))
                   for _ in range(self.args.num_layers)]
-        ids = torch.tensor(calibration_token_ids(tokens, self.vocab_size), dtype=torch.long, device=self.device)
         pos = torch.arange(tokens, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=pos.clone(),
@@ -376,41 +389,16 @@ class ModelExecutor:
             fresh_query_lens=[], all_seq_lens=[tokens], all_query_lens=[tokens],
             backend=self.backend,
         )
-        self.model(ids, pos, caches, meta, torch.zeros(0, dtype=torch.long, device=self.device))
-        fmax = torch.finfo(self.kv_dtype).max
-        scales = []
-        for key_cache, value_cache in caches:
-            amax = torch.stack([key_cache.abs().max(), value_cache.abs().max()]).float().tolist()
-            # A layer whose K or V are all zero (cannot happen with real weights) keeps scale 1.
-            scales.append(tuple(a * FP8_SCALE_HEADROOM / fmax if a > 0 else 1.0 for a in amax))
-        return scales
+        return caches, pos, meta
 
     def _profile_activation_bytes(self) -> int:
         """Peak activation memory of the largest step (vLLM-style profiling run)."""
         tokens = min(self.config.scheduler.max_batched_tokens, self.max_model_len)
-        n_blocks = -(-tokens // self.block_size)
-        shape = (n_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                  for _ in range(self.args.num_layers)]
+        caches, pos, meta = self._one_sequence_pass(tokens, self.kv_dtype)  # not counted: allocated before
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(tokens, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=pos.clone(),
-            block_tables=torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None],
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-            num_paged_tokens=tokens,
-            max_query_len=tokens,
-            max_seq_len=tokens,
-            fresh_query_lens=[],
-            all_seq_lens=[tokens],
-            all_query_lens=[tokens],
-            backend=self.backend,
-        )
         max_seqs = self.config.scheduler.max_active_sequences
         self.model(ids, pos, caches, meta, torch.arange(min(max_seqs, tokens), device=self.device))
         torch.cuda.synchronize(self.device)
