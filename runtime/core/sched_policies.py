@@ -369,22 +369,31 @@ class AdapterSlots:
         self.max_loras = max_loras
         self.claimant: Optional[Request] = None  # waits for the next free slot
         self.draining: Optional[str] = None  # adapter that starts nothing until the claimant has
-        self.active: dict[str, int] = {}  # adapter -> running requests (set by `begin`)
+        self._running: Iterable[Request] = ()
+        self._active: Optional[dict[str, int]] = None  # adapter -> running requests, counted on demand
 
     def begin(self, running: Iterable[Request]) -> None:
-        """Count the running requests' adapters (once per admission round)."""
-        active: dict[str, int] = {}
-        for request in running:
-            adapter = request.adapter
-            if adapter is not None and request.status is RequestStatus.RUNNING:
-                active[adapter] = active.get(adapter, 0) + 1
-        self.active = active
+        """A new admission round over `running`. The adapters are counted only once a request
+        with an adapter asks or a drain is under way: a round of base-model requests pays nothing."""
+        self._running, self._active = running, None
         claimant = self.claimant
         if claimant is not None and claimant.status is not RequestStatus.WAITING \
                 and claimant.status is not RequestStatus.PREEMPTED:
             self._release()  # it started, or ended while waiting
-        if self.draining is not None and self.draining not in active:
+        if self.draining is not None and self.draining not in self.active:
             self.draining = None  # drained: its slot is free for the claimant
+
+    @property
+    def active(self) -> dict[str, int]:
+        """Running requests per adapter: those running at `begin`, plus the starts since."""
+        if self._active is None:
+            active: dict[str, int] = {}
+            for request in self._running:
+                adapter = request.adapter
+                if adapter is not None and request.status is RequestStatus.RUNNING:
+                    active[adapter] = active.get(adapter, 0) + 1
+            self._active = active
+        return self._active
 
     def may_start(self, request: Request) -> bool:
         adapter = request.adapter

@@ -302,6 +302,18 @@ def kustomize(rel: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
+def start_namespaced_operator(cluster: Cluster, workdir: Path, pod_id: str) -> "OperatorProcess":
+    """Install the namespaced overlay and run the operator as its ServiceAccount, with the
+    overlay's own args (what a module that needs a live operator under real RBAC starts)."""
+    overlay = "manifests/overlays/namespaced"
+    cluster.kubectl("apply", "-k", str(ROOT / overlay))
+    wait_for(lambda: cluster.kubectl("-n", OPERATOR_SA[0], "get", "serviceaccount", OPERATOR_SA[1], check=False)
+             .returncode == 0, what="the operator's ServiceAccount")
+    kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
+    return OperatorProcess(kubeconfig, operator_args_from(kustomize(overlay)), workdir / "operator.log",
+                           pod_id=pod_id)
+
+
 @contextlib.contextmanager
 def kubelet_standin(cluster: Cluster, namespace: str, selector: str, configmap: str, mounted: Path):
     """../shared/k8s/kubelet-standin.sh while the block runs: marks the pods matching `selector`

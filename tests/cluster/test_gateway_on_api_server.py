@@ -18,21 +18,16 @@ import pytest
 import yaml
 
 from cluster_harness import (
-    OPERATOR_SA,
-    ROOT,
     SHARED_K8S,
     WORKLOAD_NS,
     Cluster,
     OperatorProcess,
     condition,
-    kustomize,
-    operator_args_from,
     rbac_denials,
-    service_account_kubeconfig,
+    start_namespaced_operator,
     wait_for,
 )
 
-NAMESPACED = "manifests/overlays/namespaced"
 POOL_CRD_FILE = SHARED_K8S / "thirdparty-crds" / "inference.networking.k8s.io_inferencepools.yaml"
 POOL_CRD = "inferencepools.inference.networking.k8s.io"
 NAME = "gw-lora"
@@ -70,13 +65,7 @@ def pool_crd(crds: Cluster):
 
 @pytest.fixture(scope="module")
 def operator(pool_crd: Cluster, tmp_path_factory):
-    pool_crd.kubectl("apply", "-k", str(ROOT / NAMESPACED))
-    wait_for(lambda: pool_crd.kubectl("-n", OPERATOR_SA[0], "get", "serviceaccount", OPERATOR_SA[1], check=False)
-             .returncode == 0, what="the operator's ServiceAccount")
-    workdir = tmp_path_factory.mktemp("gateway")
-    kubeconfig = service_account_kubeconfig(pool_crd, workdir / "operator.kubeconfig")
-    process = OperatorProcess(kubeconfig, operator_args_from(kustomize(NAMESPACED)), workdir / "operator.log",
-                              pod_id="tokenlane-operator-gateway")
+    process = start_namespaced_operator(pool_crd, tmp_path_factory.mktemp("gateway"), "tokenlane-operator-gateway")
     yield process
     process.stop()
     pool_crd.kubectl("-n", WORKLOAD_NS, "delete", "msvc", NAME, "--ignore-not-found", "--wait=false", check=False)

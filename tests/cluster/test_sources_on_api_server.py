@@ -11,25 +11,20 @@ The tests of this module run in order and share one installation (module fixture
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from cluster_harness import (
     OPERATOR_SA,
-    ROOT,
     WORKLOAD_NS,
     Cluster,
     OperatorProcess,
     condition,
-    kustomize,
-    operator_args_from,
     rbac_denials,
-    service_account_kubeconfig,
+    start_namespaced_operator,
     wait_for,
 )
 
-NAMESPACED = "manifests/overlays/namespaced"
 SA_USER = f"system:serviceaccount:{OPERATOR_SA[0]}:{OPERATOR_SA[1]}"
 GATED_MESSAGE = "401 Client Error: Cannot access gated repo acme/private-7b (fetch-model test)"
 
@@ -63,13 +58,7 @@ HF_MSVC = model_service("src-hf", {"huggingFace": {"repo": "acme/private-7b", "r
 
 @pytest.fixture(scope="module")
 def operator(crds: Cluster, tmp_path_factory):
-    crds.kubectl("apply", "-k", str(ROOT / NAMESPACED))
-    wait_for(lambda: crds.kubectl("-n", OPERATOR_SA[0], "get", "serviceaccount", OPERATOR_SA[1], check=False)
-             .returncode == 0, what="the operator's ServiceAccount")
-    workdir = tmp_path_factory.mktemp("sources")
-    kubeconfig = service_account_kubeconfig(crds, workdir / "operator.kubeconfig")
-    process = OperatorProcess(kubeconfig, operator_args_from(kustomize(NAMESPACED)), workdir / "operator.log",
-                              pod_id="tokenlane-operator-sources")
+    process = start_namespaced_operator(crds, tmp_path_factory.mktemp("sources"), "tokenlane-operator-sources")
     yield process
     process.stop()
     for msvc in (S3_MSVC, HF_MSVC):
