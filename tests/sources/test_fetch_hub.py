@@ -102,7 +102,10 @@ def test_a_download_killed_midway_leaves_no_dest_and_resumes_on_the_next_run(hub
     seen = len(hub.requests)
     again = run_fetch(env, f"hf://{REPO}", str(dest), "--cache-dir", str(cache))
     assert again.returncode == 0, again.stderr
-    assert [Path(r.path).name for r in hub.file_gets(seen)] == ["model.safetensors"]  # the rest was kept
+    refetched = [Path(r.path).name for r in hub.file_gets(seen)]
+    # The killed file is fetched again; the files complete before the kill are kept (a file whose
+    # metadata landed just as the process died may be fetched again too: huggingface_hub's own order).
+    assert "model.safetensors" in refetched and len(refetched) < len(others) + 1, refetched
     total = sum(f.stat().st_size for f in dest.iterdir() if f.is_file() and f.name != MARKER)
     assert sum(r.bytes_sent for r in hub.file_gets(seen)) < total
     assert json.loads((dest / MARKER).read_text())["commit"] == commit
