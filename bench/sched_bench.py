@@ -13,6 +13,13 @@ queue stays at 1,000. The timed region is exactly `schedule()` + `update_from_ou
 Target: median < 0.5 ms at 256 running / 1,000 waiting. Prints a table of
 p50/p90/p99 per running-set size and writes JSON.
 
+`--peer DIR` compares against another tree side by side: this benchmark and the peer's run
+alternately in subprocesses (`--pairs` pairs, which goes first alternating), the peer with
+`PYTHONPATH=DIR` (a folder holding its `tokenlane` package) and `--peer-module` (the tree
+before the reorganisation, 86e4e93, has it at `tokenlane.runtime.bench.sched_bench`); it
+prints each side's median p50 and the median of the per-pair ratios (this / peer), the figure
+to trust on a busy machine.
+
 `--recorder-running R` (default 256; 0 skips it) adds the flight recorder's cost: two whole
 `LLMEngine`s over the same workload with the same trivial executor, both observed by the
 Prometheus metrics as in the server, one also by a `FlightRecorder`; their steps alternate
@@ -28,9 +35,12 @@ import argparse
 import gc
 import json
 import platform
+import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 from tokenlane.runtime.config import (
@@ -254,6 +264,34 @@ def recorder_overhead(num_running: int, num_waiting: int, steps: int, seed: int 
     }
 
 
+def side_by_side(peer_path: str, peer_module: str, pairs: int, sizes: list[int], waiting: int, steps: int,
+                 warmup: int) -> dict:
+    """This tree's benchmark and a peer tree's, alternating in subprocesses: p50 per run, and
+    per size the median of the per-pair ratios (this / peer)."""
+    common = ["--sizes", ",".join(map(str, sizes)), "--waiting", str(waiting), "--steps", str(steps),
+              "--warmup", str(warmup), "--recorder-running", "0"]
+    peer_env = dict(os.environ, PYTHONPATH=peer_path)
+    runs: dict[str, list[dict[int, float]]] = {"this": [], "peer": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(pairs):
+            for side in ("peer", "this") if i % 2 == 0 else ("this", "peer"):
+                out = os.path.join(tmp, f"{side}-{i}.json")
+                module, env = (peer_module, peer_env) if side == "peer" else (__spec__.name, None)
+                subprocess.run([sys.executable, "-m", module, *common, "--json", out], env=env, check=True,
+                               cwd=tmp, stdout=subprocess.DEVNULL)
+                with open(out) as f:
+                    runs[side].append({r["running"]: r["p50_ms"] for r in json.load(f)["results"]})
+    rows = []
+    for size in sizes:
+        this = [r[size] for r in runs["this"]]
+        peer = [r[size] for r in runs["peer"]]
+        ratios = [a / b for a, b in zip(this, peer)]
+        rows.append({"running": size, "this_p50_ms": this, "peer_p50_ms": peer, "ratios": ratios,
+                     "this_median_ms": statistics.median(this), "peer_median_ms": statistics.median(peer),
+                     "ratio_median": statistics.median(ratios)})
+    return {"peer": peer_path, "peer_module": peer_module, "pairs": pairs, "steps": steps, "results": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write results here")
@@ -265,8 +303,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recorder-running", type=int, default=256,
                         help="running-set size of the flight recorder on/off comparison (0: skip it)")
     parser.add_argument("--recorder-target-pct", type=float, default=2.0)
+    parser.add_argument("--peer", metavar="DIR",
+                        help="compare against the tree whose tokenlane package is in DIR (runs alternate)")
+    parser.add_argument("--peer-module", default="tokenlane.bench.sched_bench",
+                        help="the peer's benchmark module (86e4e93: tokenlane.runtime.bench.sched_bench)")
+    parser.add_argument("--pairs", type=int, default=5, help="alternated run pairs with --peer")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.peer:
+        if args.pairs < 1:
+            parser.error("--pairs must be at least 1")
+        report = side_by_side(args.peer, args.peer_module, args.pairs, sizes, args.waiting, args.steps, args.warmup)
+        print(f"scheduler CPU time per step, p50 (thread CPU time): this tree against {args.peer}, "
+              f"{args.pairs} alternated pairs of runs")
+        print(f"{'running':>8} {'peer ms':>8} {'this ms':>8} {'this/peer':>10}  per pair")
+        for row in report["results"]:
+            print(f"{row['running']:>8} {row['peer_median_ms']:>8.3f} {row['this_median_ms']:>8.3f} "
+                  f"{row['ratio_median']:>10.2f}  {' '.join(f'{r:.2f}' for r in row['ratios'])}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "scheduler_step_cpu_time_side_by_side", **report}, f, indent=2)
+            print(f"wrote {args.json}")
+        return 0
     results = []
     print("scheduler CPU time per step (schedule + update_from_output), thread CPU time; "
           "wall-clock p50/p99 alongside")

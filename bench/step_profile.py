@@ -17,15 +17,16 @@ engine changes): schedule, prepare inputs (the executor's step less its forward 
 sampling: block copies, input checks, building the flat batch), forward split into
 attention (each layer's `self_attn` less its projections), linear layers (every
 `nn.Linear` but the LM head), LM head, other (embedding, norms, rotary, residuals); sample
-(grammar masks, sampler), update (`Scheduler.update_from_output`), outputs (detokenize,
-stop strings, final statuses: `LLMEngine._outputs`), engine other (the rest of `step()`:
-staged requests, tenant charges, step report).
+(grammar masks, sampler), update (`Scheduler.update_from_output`), outputs (token ids and
+final statuses: `LLMEngine._outputs`), engine other (the rest of `step()`: staged requests,
+tenant charges, step report). The engine does not detokenize: offline, text is not made at all.
 
 `--http` runs a real `tokenlane serve` (uvicorn) in a subprocess, instrumented the same
 way, and N concurrent streaming clients (the official openai SDK, token-id prompts,
 `ignore_eos`). It adds: loop gap (the step thread idle between two steps: a hand-off from the
-event loop, or the GIL while the loop serves the streams), of which output dispatch (the loop's
-`_dispatch` of the step's outputs to the request streams), the event loop's CPU seconds per
+event loop, or the GIL while the loop serves the streams), output dispatch (the loop's
+`_dispatch` of the step's outputs: detokenization, stop strings, the request streams; on the
+event loop, alongside the next step), the event loop's CPU seconds per
 step (main-thread CPU clock: SSE framing and HTTP for every stream) and the step thread's
 CPU share of its wall time (below 1: it waited for the GIL or a core). `--cpu-threads`
 values run alternately (A B A B ...) with `engine.cpuThreads` set, for side-by-side ratios.
@@ -72,7 +73,7 @@ SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Phases of one step, in table order. FORWARD_PHASES add up to the forward pass.
 FORWARD_PHASES = ("attention", "linear", "lm_head", "forward_other")
 ENGINE_PHASES = ("schedule", "prepare_inputs", *FORWARD_PHASES, "sample", "update", "outputs", "engine_other")
-# The event loop's dispatch of a step's outputs happens within the loop gap (not added twice).
+# The event loop's dispatch of a step's outputs (text, streams) runs beside the step thread: not in the cycle.
 HTTP_PHASES = ("loop_gap", "stream")
 LABELS = {
     "schedule": "schedule",
@@ -83,10 +84,10 @@ LABELS = {
     "forward_other": "forward: other",
     "sample": "sample",
     "update": "update_from_output",
-    "outputs": "outputs/detokenize",
+    "outputs": "outputs",
     "engine_other": "engine other",
     "loop_gap": "loop gap (step thread idle)",
-    "stream": "  of which output dispatch",
+    "stream": "output dispatch",
 }
 
 

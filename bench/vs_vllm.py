@@ -14,10 +14,12 @@ runs vLLM's CLI through a small wrapper (written into --workdir) that makes
 `importlib.metadata.version("vllm")` answer "0.32.0+cpu", with HF_HUB_OFFLINE=1 and
 VLLM_CPU_KVCACHE_SPACE=2 in its environment.
 
-Model: unless --model is given, a random Llama written by `make_tiny_model` (hidden 256,
-intermediate 688, 4 layers, 8 heads, 4 KV heads, vocab 32000: 19M parameters) with the repo's
+Model: unless --model is given, a random checkpoint written by `make_tiny_model` with the repo's
 byte-level BPE tokenizer, padded to 32000 entries so that every id the model can sample decodes
-in both servers. Both servers load the same folder.
+in both servers. --shape llama (the default): hidden 256, intermediate 688, 4 layers, 8 heads,
+4 KV heads, vocab 32000, 19M parameters. --shape qwen2: hidden 192, intermediate 512, 4 layers,
+6 heads over 2 KV heads (head dim 32), qkv bias, tied embeddings, vocab 32000. Both servers load
+the same folder.
 
 Workload: --num-requests streaming completions (default 64), prompt lengths and max_tokens drawn
 from random.Random(--seed) (default U[16, 512] and U[8, 128]), ignore_eos, temperature 0;
@@ -67,6 +69,13 @@ from tokenlane.bench.trace import PlannedRequest
 
 MODEL_SHAPE = dict(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
                    vocab_size=32000)
+# The generated checkpoints --shape picks: the 19M Llama, and a Qwen2 layout (qkv bias, tied
+# embeddings, 6 heads over 2 KV heads of 32) whose head grouping and biases the Llama lacks.
+MODEL_SHAPES = {
+    "llama": dict(arch="llama", **MODEL_SHAPE),
+    "qwen2": dict(arch="qwen2", hidden_size=192, intermediate_size=512, num_layers=4, num_heads=6, num_kv_heads=2,
+                  vocab_size=32000),
+}
 VLLM_VERSION = "0.32.0+cpu"
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
 # Top-level patch: vLLM's spawned workers import this file again as __mp_main__ and need it too.
@@ -123,16 +132,19 @@ def pad_tokenizer_vocab(model_dir: Path, size: int) -> int:
     return next_id - start
 
 
-def make_bench_model(out_dir: Path) -> Path:
-    """The 19M random Llama with a tokenizer covering all 32000 ids (reused if already there)."""
+def make_bench_model(out_dir: Path, shape: str = "llama") -> Path:
+    """The random checkpoint of MODEL_SHAPES[shape] with a tokenizer covering all its ids
+    (reused if already there)."""
     from tokenlane.runtime.executor.tiny_model import make_tiny_model
 
+    if shape not in MODEL_SHAPES:
+        raise ValueError(f"shape must be one of {sorted(MODEL_SHAPES)}, got {shape!r}")
     out_dir = Path(out_dir)
     done_marker = out_dir / ".vs_vllm_complete"
     if done_marker.is_file():
         return out_dir
-    make_tiny_model(out_dir, arch="llama", **MODEL_SHAPE)
-    pad_tokenizer_vocab(out_dir, MODEL_SHAPE["vocab_size"])
+    make_tiny_model(out_dir, **MODEL_SHAPES[shape])
+    pad_tokenizer_vocab(out_dir, MODEL_SHAPES[shape]["vocab_size"])
     done_marker.write_text("")
     return out_dir
 
@@ -456,7 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="tokenlane config override, e.g. engine.blockSize=32 (repeatable)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder both servers load "
-                   "(default: generate the 19M random Llama into --workdir)")
+                   "(default: generate --shape into --workdir)")
+    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="llama",
+                   help="the generated checkpoint without --model: llama (19M; into WORKDIR/model) or qwen2 "
+                        "(qkv bias, tied embeddings, 6 heads / 2 KV heads of 32; into WORKDIR/model-qwen2)")
     p.add_argument("--workdir", type=Path, default=None, help="model, wrapper and server logs (default: a new temp dir)")
     p.add_argument("--dtype", type=_dtype_list, default=["bfloat16", "float32"], help="default bfloat16,float32")
     p.add_argument("--concurrency", type=_int_list, default=[16, 64], help="default 16,64")
@@ -485,11 +500,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--pairs and --num-requests must be >= 1, --greedy-requests >= 0")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tokenlane-vs-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = workdir / ("model" if args.shape == "llama" else f"model-{args.shape}")
     if args.model is None:
-        print(f"writing the 19M random Llama to {workdir / 'model'} ...", file=sys.stderr, flush=True)
+        print(f"writing the random {args.shape} checkpoint to {model_dir} ...", file=sys.stderr, flush=True)
     elif not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there")
-    model = args.model or make_bench_model(workdir / "model")
+    model = args.model or make_bench_model(model_dir, args.shape)
     try:  # check the overrides before starting anything
         from tokenlane.runtime.config import RuntimeConfig
 
@@ -568,7 +584,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("greedy check skipped: no float32 cell in this run")
     if args.json:
         meta = {
-            "model": {"path": str(model), "generated_shape": None if args.model else MODEL_SHAPE},
+            "model": {"path": str(model), "generated_shape": None if args.model else MODEL_SHAPES[args.shape]},
             "workload": {"num_requests": len(planned), "seed": args.seed, "prompt_tokens": list(args.prompt_tokens),
                          "max_tokens": list(args.max_tokens), "prompt_token_total": sum(p.prompt_tokens for p in planned),
                          "output_token_total": sum(p.max_tokens for p in planned), "stream": True, "ignore_eos": True,

@@ -5,8 +5,9 @@
                        [--liveness URL] [--metrics-port N] [--log-format json|plain] [--verbose]
                        [--tuning-tick-seconds S] [--autoscaling-tick-seconds S]
 
-Login: in-cluster service account, else KUBECONFIG / ~/.kube/config, through the official
-`kubernetes` client (kopf's piggybacking); the executor reuses kopf's credentials.
+Login: in-cluster service account, else KUBECONFIG / ~/.kube/config (client certificates, tokens,
+exec credential plugins), read by `tokenlane.kube.load`; kopf's watches and the executor use the
+same login.
 Peering: with --peering (default "tokenlane") every instance writes keep-alives into kopf's
 KopfPeering object of that name (ClusterKopfPeering with --all-namespaces; CRDs in crds/), and
 an instance that sees a live peer with a higher --priority pauses until that peer is gone
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import logging
 import math
 import sys
@@ -29,6 +31,7 @@ from typing import Any, Optional
 
 import kopf
 
+from tokenlane import kube
 from tokenlane.operator.clients import kube as k8s
 from tokenlane.operator.controllers import scaling, tuning
 from tokenlane.operator.controllers.handlers import Operator, register
@@ -36,15 +39,40 @@ from tokenlane.operator.controllers.handlers import Operator, register
 log = logging.getLogger("tokenlane.operator")
 
 
-def login(**kwargs: Any) -> Any:
-    """In-cluster service account or kubeconfig (exec / auth-provider plugins included) through
-    the official client; kopf's own readers when that client is not installed."""
-    info = kopf.login_via_client(**kwargs)
-    if info is None:
-        info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-    if info is None:
-        raise kopf.LoginError("no credentials: neither a service account nor a kubeconfig was found")
-    return info
+def load_credentials() -> kube.Credentials:
+    """The operator's identity: its pod's service account, else the kubeconfig."""
+    try:
+        return kube.load(prefer_in_cluster=True)
+    except kube.CredentialsError as exc:
+        raise kopf.LoginError(str(exc)) from None
+
+
+async def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's login: the credentials of `load_credentials`, with the current token (a rotated
+    service account token, an exec plugin's answer). kopf logs in again on a 401 and when an
+    exec credential expires."""
+    creds = load_credentials()
+    auth = kube.Authenticator(creds)
+    try:
+        await auth.authorization()
+    except kube.CredentialsError as exc:
+        raise kopf.LoginError(str(exc)) from None
+    token = auth.token
+    cert, key = auth.exec_certificate or (creds.cert_data, creds.key_data)
+    expires = auth.expires_at
+    return kopf.ConnectionInfo(
+        server=creds.server,
+        ca_path=str(creds.ca_file) if creds.ca_file else None,
+        ca_data=creds.ca_data.decode() if creds.ca_data else None,
+        insecure=creds.insecure or None,
+        token=token, username=creds.username, password=creds.password,
+        certificate_path=None if auth.exec_certificate or not creds.cert_file else str(creds.cert_file),
+        certificate_data=cert.decode() if cert else None,
+        private_key_path=None if auth.exec_certificate or not creds.key_file else str(creds.key_file),
+        private_key_data=key.decode() if key else None,
+        default_namespace=creds.namespace,
+        expiration=datetime.datetime.fromtimestamp(expires, datetime.timezone.utc) if expires else None,
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -112,7 +140,7 @@ async def missing_peering(args: argparse.Namespace) -> Optional[str]:
     resource = k8s.CLUSTER_KOPF_PEERINGS if args.all_namespaces else k8s.KOPF_PEERINGS
     kind, plural = resource.kind, resource.plural
     namespaces = [None] if args.all_namespaces else [ns for ns in args.namespace if not any(c in ns for c in "*?[!")]
-    client = k8s.KubeClient(login(logger=log, settings=kopf.OperatorSettings()))
+    client = k8s.KubeClient(load_credentials())
     try:
         for namespace in namespaces:
             where = f"namespace {namespace!r}" if namespace else "the cluster"

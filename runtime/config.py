@@ -371,6 +371,10 @@ class KVOffloadConfig:
         _positive(self.host_bytes, "hostBytes")
 
 
+# Largest engine.tensorParallelSize / pipelineParallelSize accepted (ranks of one model).
+MAX_PARALLEL_SIZE = 64
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """`engine:` — memory layout and execution mode (restart to change)."""
@@ -412,6 +416,20 @@ class EngineConfig:
     # holds. Unset = 8 and 64 (unset rather than defaulted to keep older configs' restart hash).
     max_loras: Optional[int] = None
     max_lora_rank: Optional[int] = None
+    # Ranks serving one model (docs/parallelism.md): tensor-parallel ranks per pipeline stage, and
+    # pipeline stages. Unset = 1 (unset rather than 1 to keep the restart hash of older configs).
+    tensor_parallel_size: Optional[int] = None
+    pipeline_parallel_size: Optional[int] = None
+
+    @property
+    def tp_size(self) -> int:
+        """engine.tensorParallelSize in force."""
+        return self.tensor_parallel_size or 1
+
+    @property
+    def pp_size(self) -> int:
+        """engine.pipelineParallelSize in force."""
+        return self.pipeline_parallel_size or 1
 
     @property
     def lora_slots(self) -> int:
@@ -477,6 +495,13 @@ class EngineConfig:
                f"must be in [1, 256], got {self.max_loras}")
         _check(self.max_lora_rank is None or 1 <= self.max_lora_rank <= MAX_LORA_RANK, "maxLoraRank",
                f"must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        for key, size in (("tensorParallelSize", self.tensor_parallel_size),
+                          ("pipelineParallelSize", self.pipeline_parallel_size)):
+            _check(size is None or (isinstance(size, int) and 1 <= size <= MAX_PARALLEL_SIZE), key,
+                   f"must be an integer in [1, {MAX_PARALLEL_SIZE}], got {size!r}")
+        if self.tp_size * self.pp_size > 1:
+            _check(self.executor == "model", "tensorParallelSize",
+                   "needs engine.executor: model (the simulated executor runs no ranks)")
         _check(
             self.kv_offload is None or self.enable_prefix_caching,
             "kvOffload",

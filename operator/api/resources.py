@@ -137,6 +137,11 @@ def _check_model_service_rules(spec: dict) -> None:
            "spec.scheduler: maxActiveSequences must be <= maxBatchedTokens")
     bs = spec["engine"]["blockSize"]
     _check(bs & (bs - 1) == 0, "spec.engine.blockSize: must be a power of two")
+    parallelism = spec.get("parallelism") or {}
+    gpus = spec["gpus"]["count"]
+    _check(gpus == 0 or gpus == parallelism.get("tensor", gpus),
+           f"spec.parallelism.tensor: {crd_schema.PARALLELISM_GPUS_MESSAGE} "
+           f"(gpus.count {gpus}, parallelism.tensor {parallelism.get('tensor')})")
     tuning = spec["tuning"]
     _check(not tuning["enabled"] or bool(tuning.get("prometheusUrl")),
            "spec.tuning: tuning.enabled needs tuning.prometheusUrl")

@@ -414,6 +414,7 @@ def model_service_spec() -> dict:
             "model": model,
             "engine": engine,
             "scheduler": _scheduler(),
+            "parallelism": _parallelism(),
             "gpus": _obj("Accelerators per pod.", {
                 "count": _int("Accelerators per pod; 0 runs on CPU.", default=1, minimum=0, maximum=16, fmt="int32"),
                 "resourceName": _str("Extended resource name of the accelerator.", default="nvidia.com/gpu",
@@ -506,7 +507,36 @@ def model_service_spec() -> dict:
             ("!has(self.autoscaling) || !self.autoscaling.enabled || self.autoscaling.minReplicas > 0 "
              "|| (has(self.router) && self.router.enabled)",
              "autoscaling.minReplicas 0 needs router.enabled (the router holds requests while no pod runs)"),
+            # One rank per GPU: the pod's GPUs are its tensor-parallel ranks (0 GPUs: ranks on the CPU).
+            (PARALLELISM_GPUS_RULE, PARALLELISM_GPUS_MESSAGE),
         ],
+    )
+
+
+# runtime.yaml engine keys the CRD sets from another field (the builders render them from it).
+ENGINE_KEYS_ELSEWHERE = {"tensorParallelSize": "parallelism.tensor", "pipelineParallelSize": "parallelism.pipeline"}
+MAX_TENSOR_PARALLEL = 16  # GPUs per pod (gpus.count's maximum)
+MAX_PIPELINE_PARALLEL = 64  # pods per group
+PARALLELISM_GPUS_RULE = ("!has(self.parallelism) || !has(self.parallelism.tensor) || self.gpus.count == 0 "
+                         "|| self.gpus.count == self.parallelism.tensor")
+PARALLELISM_GPUS_MESSAGE = ("parallelism.tensor is the GPUs per pod (one rank each): gpus.count must equal "
+                            "parallelism.tensor, or be 0 to run the ranks on the CPU")
+
+
+def _parallelism() -> dict:
+    """spec.parallelism: the runtime's engine.tensorParallelSize / pipelineParallelSize, and the
+    workload kind (a LeaderWorkerSet of `pipeline` pods per group when pipeline > 1)."""
+    return _obj(
+        "Serve a model larger than one GPU (docs/parallelism.md). Changing it restarts the pods. Unset: one "
+        "GPU, one pod per replica.",
+        {
+            "tensor": _int("Tensor-parallel ranks per pod, one per GPU (gpus.count must equal it): each layer is "
+                           "split across them.", default=1, minimum=1, maximum=MAX_TENSOR_PARALLEL, fmt="int32"),
+            "pipeline": _int("Pipeline stages, one pod each: above 1 every replica is a LeaderWorkerSet group of "
+                             "this many pods (the leader serves the API and runs stage 0, worker k runs stage k), "
+                             "and replicas count groups.", default=1, minimum=1, maximum=MAX_PIPELINE_PARALLEL,
+                             fmt="int32"),
+        },
     )
 
 
@@ -530,8 +560,9 @@ def _autoscaling() -> dict:
         }, defaulted=True)
 
     return _obj(
-        "Replica autoscaling of the shared pool from Prometheus metrics. While enabled the operator owns the "
-        "Deployment's replicas and spec.replicas is ignored; never together with an HPA or KEDA on this "
+        "Replica autoscaling of the shared pool from Prometheus metrics (replicas are groups with "
+        "parallelism.pipeline above 1). While enabled the operator owns the Deployment's (LeaderWorkerSet's) "
+        "replicas and spec.replicas is ignored; never together with an HPA or KEDA on this "
         "ModelService or its Deployment.",
         {
             "enabled": _bool("Let the operator size the shared pool.", default=False),
@@ -668,8 +699,9 @@ def _router() -> dict:
 def model_service_status() -> dict:
     return _obj("Observed state, written by the operator only.", {
         "observedGeneration": _int("The spec generation last reconciled.", minimum=0),
-        "replicas": _int("Pods of the shared pool (scale subresource).", minimum=0, fmt="int32"),
-        "readyReplicas": _int("Ready pods of the shared pool.", minimum=0, fmt="int32"),
+        "replicas": _int("Pods of the shared pool (scale subresource); groups of pods with parallelism.pipeline "
+                         "above 1.", minimum=0, fmt="int32"),
+        "readyReplicas": _int("Ready pods (groups) of the shared pool.", minimum=0, fmt="int32"),
         "updatedReplicas": _int("Pods on the current pod template.", minimum=0, fmt="int32"),
         "selector": _str("Label selector of the shared pool's pods (scale subresource, HPA).", max_length=1024),
         "lanes": _int("Lanes served (admitted ServingLanes).", minimum=0, fmt="int32"),

@@ -406,6 +406,24 @@ class InferencePoolSpec:
 
 
 @dataclass(frozen=True)
+class ParallelismSpec:
+    """spec.parallelism: tensor-parallel ranks per pod (one per GPU) and pipeline stages (one pod
+    each). `grouped`: every replica is a LeaderWorkerSet group of `pipeline` pods."""
+
+    tensor: int = 1
+    pipeline: int = 1
+
+    @property
+    def grouped(self) -> bool:
+        return self.pipeline > 1
+
+    @classmethod
+    def from_spec(cls, raw: Any) -> "ParallelismSpec":
+        p = _defaulted(_MODEL_SERVICE_SPEC, "parallelism", raw, "spec.parallelism")
+        return cls(tensor=int(p["tensor"]), pipeline=int(p["pipeline"]))
+
+
+@dataclass(frozen=True)
 class ModelServiceSettings:
     """What the timers and the model-source builders read of a ModelService's spec."""
 
@@ -417,6 +435,7 @@ class ModelServiceSettings:
     model_source: ModelSourceSpec = ModelSourceSpec(kind=None)  # spec.model.source and spec.model.cache
     adapters: tuple[AdapterSpec, ...] = ()  # spec.adapters
     inference_pool: InferencePoolSpec = InferencePoolSpec()  # spec.gateway.inferencePool
+    parallelism: ParallelismSpec = ParallelismSpec()  # spec.parallelism
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "ModelServiceSettings":
@@ -430,6 +449,7 @@ class ModelServiceSettings:
             model_source=ModelSourceSpec.from_spec(spec.get("model")),
             adapters=_adapters(spec),
             inference_pool=InferencePoolSpec.from_spec(spec.get("gateway")),
+            parallelism=ParallelismSpec.from_spec(spec.get("parallelism")),
         )
 
 

@@ -1,8 +1,9 @@
-"""A thin async Kubernetes client (aiohttp) and the executor that carries out planner actions.
+"""The operator's Kubernetes client and the executor that carries out planner actions.
 
-The client talks to whatever server kopf logged in to: it takes the same
-`kopf.ConnectionInfo` (server, CA, client certificate, token), so the operator needs exactly
-one login (kubeconfig, in-cluster service account, or the test's kmock URL).
+`KubeClient` is `tokenlane.kube.KubeApi` (the project's one Kubernetes client, shared with the
+fleet router's discovery and `tokenlane check`) bound to whatever server kopf logged in to: it
+takes the same `kopf.ConnectionInfo` (server, CA, client certificate, token), so the operator
+needs exactly one login (main.py's, through `tokenlane.kube.load`; or the test's kmock URL).
 
 Writes are server-side apply (`application/apply-patch+yaml`, field manager
 "tokenlane-operator", force) so the operator owns exactly the fields it renders and leaves
@@ -13,47 +14,22 @@ Where apply answers 404 (the kmock emulator has no create-by-apply) the object i
 
 from __future__ import annotations
 
-import asyncio
+import base64
 import datetime
-import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
-import aiohttp
-
+from tokenlane.kube import ApiError, Credentials, KubeApi, Resource
 from tokenlane.operator.desired.builders import FIELD_MANAGER, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
 from tokenlane.operator.desired.planner import Action, Key
 
 log = logging.getLogger("tokenlane.operator.clients.kube")
 
 
-@dataclass(frozen=True)
-class Resource:
-    group: str  # "" for the core API
-    version: str
-    plural: str
-    kind: str
-    namespaced: bool = True
-
-    @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}" if self.group else self.version
-
-    def path(self, namespace: Optional[str] = None, name: Optional[str] = None,
-             subresource: Optional[str] = None) -> str:
-        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        if self.namespaced and namespace:
-            base += f"/namespaces/{namespace}"
-        base += f"/{self.plural}"
-        if name:
-            base += f"/{name}"
-            if subresource:
-                base += f"/{subresource}"
-        return base
-
+# ApiError and Resource are tokenlane.kube's: the controllers use them as k8s.ApiError, k8s.Resource.
 
 MODEL_SERVICES = Resource("tokenlane.dev", "v1alpha1", "modelservices", "ModelService")
 SERVING_LANES = Resource("tokenlane.dev", "v1alpha1", "servinglanes", "ServingLane")
@@ -64,13 +40,17 @@ DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 SERVICE_MONITORS = Resource("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor")
 INFERENCE_POOLS = Resource("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
+LEADER_WORKER_SETS = Resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet")
 KOPF_PEERINGS = Resource("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
 CLUSTER_KOPF_PEERINGS = Resource("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False)
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                 namespaced=False)
 
 # Kinds the operator owns, in the order it observes them.
-OWNED = (CONFIG_MAPS, DEPLOYMENTS, SERVICES, PDBS, SERVICE_MONITORS, INFERENCE_POOLS)
+OWNED = (CONFIG_MAPS, DEPLOYMENTS, LEADER_WORKER_SETS, SERVICES, PDBS, SERVICE_MONITORS, INFERENCE_POOLS)
+# The kinds that run a pool's pods: status.replicas / readyReplicas / updatedReplicas count pods
+# of a Deployment, groups of a LeaderWorkerSet.
+WORKLOADS = (DEPLOYMENTS, LEADER_WORKER_SETS)
 _BY_KIND = {(r.api_version, r.kind): r for r in (*OWNED, MODEL_SERVICES, SERVING_LANES, EVENTS, CRDS)}
 
 
@@ -81,152 +61,54 @@ def resource_for(api_version: str, kind: str) -> Resource:
         raise ValueError(f"no resource known for {api_version} {kind}") from None
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, reason: str, message: str, method: str = "", path: str = ""):
-        super().__init__(f"{method} {path}: {status} {reason}: {message}")
-        self.status, self.reason, self.message = status, reason, message
-
-    @property
-    def namespace_terminating(self) -> bool:
-        """The namespace is being deleted: the server refuses new objects in it (403)."""
-        return self.status == 403 and "because it is being terminated" in self.message
-
-    @property
-    def transient(self) -> bool:
-        """Worth retrying later: conflicts, throttling, server trouble."""
-        return self.status in (409, 429) or self.status >= 500
+ConnectionSource = Union[Any, Callable[[], Any]]  # a kopf.ConnectionInfo or Credentials, or a callable returning one
 
 
-ConnectionSource = Union[Any, Callable[[], Any]]  # a kopf.ConnectionInfo or a callable returning one
+def _pem(value: Union[str, bytes, None]) -> Optional[bytes]:
+    """kopf keeps certificates as PEM or as base64 of PEM (kubeconfig's -data fields)."""
+    if not value:
+        return None
+    raw = value.encode() if isinstance(value, str) else value
+    return raw if raw.lstrip().startswith(b"-----") else base64.b64decode(raw)
 
 
-class KubeClient:
-    """Minimal JSON-over-HTTP client for the few calls the operator makes."""
+def credentials_from_connection(info: Any) -> Credentials:
+    """The `Credentials` of a kopf.ConnectionInfo (read by attribute: no kopf import here)."""
+    if isinstance(info, Credentials):
+        return info
+
+    def path(value: Any) -> Optional[Path]:
+        return Path(value.decode() if isinstance(value, bytes) else value) if value else None
+
+    return Credentials(
+        server=info.server, ca_file=path(info.ca_path), ca_data=_pem(info.ca_data), insecure=bool(info.insecure),
+        cert_file=path(info.certificate_path), cert_data=_pem(info.certificate_data),
+        key_file=path(info.private_key_path), key_data=_pem(info.private_key_data),
+        token=info.token, username=info.username, password=info.password,
+        namespace=info.default_namespace, source=f"kopf login to {info.server}")
+
+
+class KubeClient(KubeApi):
+    """The operator's client: `KubeApi` with the operator's field manager, following kopf's
+    login (`connection`: a kopf.ConnectionInfo, or a callable returning the current one)."""
 
     def __init__(self, connection: ConnectionSource, *, timeout_s: float = 30.0,
                  on_request: Optional[Callable[[str, str, int, float], None]] = None,
                  user_agent: str = "tokenlane-operator"):
         self._connection = connection
-        self._user_agent = user_agent
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: Optional[aiohttp.ClientSession] = None
-        self._ssl_cache: dict[int, Any] = {}
-        self._on_request = on_request  # metrics hook: (method, path, status, seconds)
+        self._converted: tuple[Any, Optional[Credentials]] = (None, None)
+        super().__init__(self._current_credentials, field_manager=FIELD_MANAGER, user_agent=user_agent,
+                         timeout_s=timeout_s, on_request=on_request)
 
-    def _info(self) -> Any:
+    def _current_credentials(self) -> Optional[Credentials]:
         info = self._connection() if callable(self._connection) else self._connection
         if info is None:
-            raise ApiError(503, "NotLoggedIn", "no connection info yet (login pending)")
-        return info
-
-    def _ssl(self, info: Any) -> Any:
-        if not info.server.startswith("https"):
             return None
-        key = id(info)
-        if key not in self._ssl_cache:
-            self._ssl_cache = {key: info.as_ssl_context()}
-        return self._ssl_cache[key]
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def request(self, method: str, path: str, *, params: Optional[Mapping[str, str]] = None,
-                      body: Any = None, content_type: str = "application/json") -> Any:
-        info = self._info()
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        headers = {"Accept": "application/json", "User-Agent": self._user_agent, **info.as_http_headers()}
-        data = None
-        if body is not None:
-            headers["Content-Type"] = content_type
-            data = json.dumps(body)  # JSON is YAML too: fine for application/apply-patch+yaml
-        url = info.server.rstrip("/") + path
-        started = time.monotonic()
-        status = 0
-        try:
-            async with self._session.request(method, url, params=params, data=data, headers=headers,
-                                              ssl=self._ssl(info)) as resp:
-                status = resp.status
-                text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise ApiError(503, "ConnectionError", str(exc) or type(exc).__name__, method, path) from None
-        finally:
-            if self._on_request:
-                self._on_request(method, path, status, time.monotonic() - started)
-        payload: Any = None
-        if text:
-            try:
-                payload = json.loads(text)
-            except ValueError:
-                payload = text
-        if status >= 400:
-            reason = payload.get("reason", "") if isinstance(payload, dict) else ""
-            message = payload.get("message", "") if isinstance(payload, dict) else str(payload)[:500]
-            raise ApiError(status, reason, message, method, path)
-        return payload
-
-    # ---- typed helpers
-
-    async def get(self, res: Resource, namespace: Optional[str], name: str) -> Optional[dict]:
-        try:
-            return await self.request("GET", res.path(namespace, name))
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    async def list(self, res: Resource, namespace: Optional[str] = None,
-                   labels: Optional[Mapping[str, str]] = None) -> list[dict]:
-        params = {"labelSelector": ",".join(f"{k}={v}" for k, v in labels.items())} if labels else None
-        payload = await self.request("GET", res.path(namespace), params=params)
-        items = list((payload or {}).get("items") or [])
-        for item in items:  # list items omit these; the planner keys on them
-            item.setdefault("apiVersion", res.api_version)
-            item.setdefault("kind", res.kind)
-        if labels:  # servers that ignore labelSelector (the kmock emulator) still give the right answer
-            items = [i for i in items
-                     if all(((i.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in labels.items())]
-        if namespace:
-            items = [i for i in items if (i.get("metadata") or {}).get("namespace") in (None, namespace)]
-        return items
-
-    async def create(self, res: Resource, obj: dict) -> dict:
-        ns = (obj.get("metadata") or {}).get("namespace")
-        return await self.request("POST", res.path(ns), body=obj, params={"fieldManager": FIELD_MANAGER})
-
-    async def apply(self, res: Resource, obj: dict) -> dict:
-        meta = obj["metadata"]
-        return await self.request("PATCH", res.path(meta.get("namespace"), meta["name"]), body=obj,
-                                  content_type="application/apply-patch+yaml",
-                                  params={"fieldManager": FIELD_MANAGER, "force": "true"})
-
-    async def merge_patch(self, res: Resource, namespace: Optional[str], name: str, patch: dict,
-                          subresource: Optional[str] = None) -> dict:
-        return await self.request("PATCH", res.path(namespace, name, subresource), body=patch,
-                                  content_type="application/merge-patch+json")
-
-    async def delete(self, res: Resource, namespace: Optional[str], name: str) -> bool:
-        """True if deleted now, False if it was already gone."""
-        try:
-            await self.request("DELETE", res.path(namespace, name), body={"propagationPolicy": "Background"})
-            return True
-        except ApiError as exc:
-            if exc.status == 404:
-                return False
-            raise
-
-    async def has_resource(self, res: Resource) -> bool:
-        """Whether the server serves `res` (e.g. the Prometheus Operator's ServiceMonitor)."""
-        base = f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}"
-        try:
-            payload = await self.request("GET", base)
-        except ApiError as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return any(r.get("name") == res.plural for r in (payload or {}).get("resources") or [])
+        seen, creds = self._converted
+        if info is not seen:  # the same Credentials object for the same login keeps one connection pool
+            creds = credentials_from_connection(info)
+            self._converted = (info, creds)
+        return creds
 
 
 def timestamp(now: Optional[float] = None) -> str:

@@ -1,5 +1,5 @@
 """What the operator reads from the cluster about one ModelService: the object itself, its
-lanes, its pods' readiness (from its Deployments) and, for a source an init container
+lanes, its pods' readiness (from its Deployments or LeaderWorkerSets) and, for a source an init container
 fetches, its runtime pods (the fetch-model init containers' states). Shared by the reconcile (handlers.py) and the tuning timer
 (tuning.py); only reads, no decisions.
 """
@@ -37,9 +37,10 @@ async def list_lanes(client: k8s.KubeClient, namespace: str, parent: str) -> tup
 
 
 async def pod_readiness(executor: k8s.Executor, namespace: str, name: str) -> PodReadiness:
-    """Desired, updated and ready runtime pods over every Deployment the ModelService owns
-    (the router's Deployment serves no model and is left out)."""
-    deployments = await executor.observe(namespace, name, kinds=(k8s.DEPLOYMENTS,))
+    """Desired, updated and ready runtime pods (groups of a LeaderWorkerSet) over every
+    Deployment and LeaderWorkerSet the ModelService owns (the router's Deployment serves no
+    model and is left out)."""
+    deployments = await executor.observe(namespace, name, kinds=k8s.WORKLOADS)
     desired = updated = ready = 0
     for dep in deployments:
         labels = (dep.get("metadata") or {}).get("labels") or {}

@@ -4,8 +4,8 @@ One reconcile function per ModelService does it all: read the ModelService and i
 build the desired objects, plan against what exists, apply, write status (only changed keys).
 Every trigger funnels into it, serialised per ModelService by an asyncio lock:
 
-- ModelService create / update / resume, a 60 s timer (drift and status), its Deployments'
-  events (pod readiness -> status, no polling), and its deletion (owned objects removed
+- ModelService create / update / resume, a 60 s timer (drift and status), its Deployments' and
+  LeaderWorkerSets' events (pod readiness -> status, no polling), and its deletion (owned objects removed
   explicitly, besides owner-reference garbage collection);
 - ServingLane create / update / resume / delete: the lane's ModelService is re-rendered, so
   its ConfigMap changes in place and pods hot-reload the budgets (no restart). A lane whose
@@ -63,6 +63,7 @@ class Operator:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     _service_monitor: tuple[float, bool] = (0.0, False)
     _inference_pool: tuple[float, bool] = (0.0, False)
+    _leader_worker_sets_seen: float = 0.0  # when the server last said it serves LeaderWorkerSets
     _pool_warned: set = field(default_factory=set)  # (namespace, name, generation) told the CRD is missing
     timer_interval_s: float = TIMER_INTERVAL_S
     autoscaling: scaling.Autoscaling = field(default_factory=scaling.Autoscaling)  # its timer's clock and memory
@@ -97,6 +98,20 @@ class Operator:
             self._inference_pool = (time.monotonic(), available)
         return available
 
+    async def leader_worker_sets_available(self) -> bool:
+        """Whether the server serves LeaderWorkerSets (the lws project's CRD). A yes is kept a
+        while; a no is asked again at every reconcile that needs them, so an installed CRD is
+        picked up by the next one (the 60 s timer's at the latest)."""
+        if time.monotonic() - self._leader_worker_sets_seen <= SERVICE_MONITOR_CHECK_S:
+            return True
+        try:
+            available = await self.client.has_resource(k8s.LEADER_WORKER_SETS)
+        except k8s.ApiError:
+            available = False
+        if available:
+            self._leader_worker_sets_seen = time.monotonic()
+        return available
+
 
 # --------------------------------------------------------------------------- helpers
 
@@ -121,6 +136,15 @@ def _transient(exc: k8s.ApiError) -> kopf.TemporaryError:
 
 class InvalidSpec(Exception):
     pass
+
+
+class Unservable(InvalidSpec):
+    """A valid spec the cluster cannot serve as it is (a CRD it needs is not installed): status
+    and an Event say why, nothing is applied (what runs keeps running), and the 60 s timer
+    tries again."""
+
+
+LWS_UNAVAILABLE = "LeaderWorkerSetUnavailable"
 
 
 # --------------------------------------------------------------------------- reconcile
@@ -191,6 +215,14 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
     # While a rollback (or the fallback) is in force, the rollout guard's last-known-good
     # inputs are rendered instead of the spec (the spec itself is untouched).
     msvc, lanes = await last_known_good.inputs_in_force(op.client, msvc, lanes)
+    parallelism = msvc.settings.parallelism
+    if parallelism.grouped and not await op.leader_worker_sets_available():
+        message = (f"spec.parallelism.pipeline is {parallelism.pipeline}: each replica is a LeaderWorkerSet group "
+                   f"of {parallelism.pipeline} pods, but the server does not serve {k8s.LEADER_WORKER_SETS.api_version} "
+                   "LeaderWorkerSets: install the LeaderWorkerSet controller and its CRD "
+                   "(https://lws.sigs.k8s.io); nothing was changed")
+        await _reject(op, k8s.MODEL_SERVICES, body, generation, message, reason=LWS_UNAVAILABLE)
+        raise Unservable(message)
     pool_available = not msvc.settings.inference_pool.enabled or await op.inference_pool_available()
     try:
         desired = builders.build(msvc, lanes, overrides=builders.Overrides.from_status({"overrides": overrides}),
@@ -220,7 +252,10 @@ async def _reconcile(op: Operator, namespace: str, name: str) -> Optional[builde
         metrics.ACTIONS.labels(verb=action.verb, kind=action.key[1]).inc()
     current = {planner.key_of(o): o for o in observed}
     current.update(results)
-    deployments = {key[3]: obj for key, obj in current.items() if key[1] == "Deployment"}
+    # The pools' pods by pool name, from the kind rendered now (while a switch between a Deployment
+    # and a LeaderWorkerSet deletes the other, both exist for a moment under one name).
+    workload_kind = "LeaderWorkerSet" if msvc.settings.parallelism.grouped else "Deployment"
+    deployments = {key[3]: obj for key, obj in current.items() if key[1] == workload_kind}
 
     pods, pods_error = None, None
     if msvc.settings.model_source.fetched is not None:
@@ -267,10 +302,11 @@ async def _event_on_fetch_failure(op: Operator, body: dict, wanted: dict) -> Non
         await k8s.post_event(op.client, body, "Warning", "ModelFetchFailed", new.get("message", ""))
 
 
-async def _reject(op: Operator, res: k8s.Resource, body: dict, generation: int, message: str) -> None:
-    wanted = status_mod.invalid_status(body.get("status") or {}, generation, message, k8s.timestamp())
+async def _reject(op: Operator, res: k8s.Resource, body: dict, generation: int, message: str,
+                  reason: str = "InvalidSpec") -> None:
+    wanted = status_mod.invalid_status(body.get("status") or {}, generation, message, k8s.timestamp(), reason)
     if await _write_status(op, res, body, wanted):
-        await k8s.post_event(op.client, body, "Warning", "InvalidSpec", message)
+        await k8s.post_event(op.client, body, "Warning", reason, message)
 
 
 async def delete_owned(op: Operator, namespace: str, name: str) -> list[planner.Action]:
@@ -320,6 +356,8 @@ def register(registry: kopf.OperatorRegistry, op: Operator, *,
     async def run_model_service(namespace: str, name: str) -> None:
         try:
             await reconcile_model_service(op, namespace, name)
+        except Unservable as exc:
+            raise kopf.PermanentError(f"cannot serve: {exc}") from None  # the timer tries again
         except InvalidSpec as exc:
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
         except k8s.ApiError as exc:
@@ -368,6 +406,14 @@ def register(registry: kopf.OperatorRegistry, op: Operator, *,
             await reconcile_model_service(op, namespace, owner)
         except (InvalidSpec, k8s.ApiError) as exc:
             log.debug("status refresh of %s/%s after a Deployment event: %s", namespace, owner, exc)
+
+    # A group's readiness (status.readyReplicas counts groups), as for the Deployments above.
+    # Without the LeaderWorkerSet CRD kopf warns that it cannot watch them (at start and when
+    # CRDs change), and watches them once the CRD is installed.
+    @kopf.on.event(k8s.LEADER_WORKER_SETS.group, k8s.LEADER_WORKER_SETS.version, k8s.LEADER_WORKER_SETS.plural,
+                   registry=registry, labels={builders.LABEL_MANAGED_BY: builders.MANAGED_BY})
+    async def leader_worker_set_event(body: Any, namespace: str, type: Optional[str], **_: Any) -> None:
+        await deployment_event(body=body, namespace=namespace, type=type)
 
     async def run_lane(body: Any, namespace: str, old_parent: Optional[str] = None) -> None:
         generation = int((body.get("metadata") or {}).get("generation") or 0)

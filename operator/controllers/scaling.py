@@ -315,20 +315,29 @@ class Autoscaling:
         self.history.pop((namespace, name), None)
 
 
-def _shared_deployment_replicas(deployments: list[dict], msvc: ModelService) -> Optional[int]:
-    for dep in deployments:
-        if (dep.get("metadata") or {}).get("name") == msvc.name:
-            return int((dep.get("spec") or {}).get("replicas") or 0)
+def _shared_workload(workloads: list[dict], msvc: ModelService) -> Optional[dict]:
+    """The shared pool's Deployment, or its LeaderWorkerSet when spec.parallelism.pipeline > 1
+    (whose replicas are groups: the autoscaler sizes groups)."""
+    kind = "LeaderWorkerSet" if msvc.settings.parallelism.grouped else "Deployment"
+    for obj in workloads:
+        if obj.get("kind", kind) == kind and (obj.get("metadata") or {}).get("name") == msvc.name:
+            return obj
     return None
 
 
-def with_ready_replicas(sample: FleetSample, deployments: list[dict], msvc: ModelService) -> FleetSample:
-    """The sample plus the shared Deployment's ready replicas (status.readyReplicas): only they
-    served the window, and the decision must not add again the capacity that is still starting."""
-    for dep in deployments:
-        if (dep.get("metadata") or {}).get("name") == msvc.name and sample.available:
-            ready = int((dep.get("status") or {}).get("readyReplicas") or 0)
-            return dataclasses.replace(sample, ready_replicas=ready)
+def _shared_deployment_replicas(workloads: list[dict], msvc: ModelService) -> Optional[int]:
+    obj = _shared_workload(workloads, msvc)
+    return None if obj is None else int((obj.get("spec") or {}).get("replicas") or 0)
+
+
+def with_ready_replicas(sample: FleetSample, workloads: list[dict], msvc: ModelService) -> FleetSample:
+    """The sample plus the shared pool's ready replicas (status.readyReplicas: pods, or groups):
+    only they served the window, and the decision must not add again the capacity that is still
+    starting."""
+    obj = _shared_workload(workloads, msvc)
+    if obj is not None and sample.available:
+        ready = int((obj.get("status") or {}).get("readyReplicas") or 0)
+        return dataclasses.replace(sample, ready_replicas=ready)
     return sample
 
 
@@ -362,7 +371,7 @@ async def tick(a: Autoscaling, client: k8s.KubeClient, executor: k8s.Executor, l
     if not a.due(namespace, name, settings.interval_s, now):
         return None
     a.last_run[(namespace, name)] = now
-    deployments = await executor.observe(namespace, name, kinds=(k8s.DEPLOYMENTS,))
+    deployments = await executor.observe(namespace, name, kinds=k8s.WORKLOADS)
     current = _shared_deployment_replicas(deployments, msvc)
     if current is None:
         return None  # not rendered yet: the reconcile creates it at the bounded spec.replicas

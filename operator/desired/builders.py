@@ -8,6 +8,10 @@ What gets built for a ModelService `m` (namespace of `m`):
   validated by `tokenlane.runtime.config`, the schema the runtime itself loads);
 - Deployment `m` (runtime pods), Service `m`, PodDisruptionBudget `m`, ServiceMonitor `m`
   (only when the Prometheus Operator's CRD exists);
+- with `spec.parallelism.pipeline` > 1, LeaderWorkerSet `m` (leaderworkerset.x-k8s.io/v1)
+  instead of each Deployment: replicas are groups of `pipeline` pods, one pipeline stage each,
+  and the Service (and InferencePool) select the groups' leaders only; the runtime config
+  carries `engine.tensorParallelSize` / `pipelineParallelSize` (docs/parallelism.md);
 - for each lane with `isolation: dedicated`: ConfigMap `m-<lane>-config`, Deployment and
   Service `m-<lane>` (a pool serving only that lane, default for every request it gets).
 - with `spec.router.enabled`: Deployment and Service `m-router` running `tokenlane router` in
@@ -79,6 +83,12 @@ MODEL_CACHE_DIR = "/model-cache"  # spec.model.cache, at the same path in the in
 ADAPTERS_DIR = "/adapters"  # pvc and hostPath adapter volumes, one mount per volume
 ADAPTER_CACHE_DIR = f"{MODEL_CACHE_DIR}/adapters"  # where the runtime fetches adapters with a model cache
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+# Set by the LeaderWorkerSet controller on its pods: "0" on a group's leader.
+LABEL_LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LEADER, WORKER = "leader", "worker"  # the pods of a group (a Deployment's pods are leaders)
+DIST_PORT = 29500  # the rendezvous of a group's ranks, on its leader (TOKENLANE_DIST_PORT)
+DIST_PORT_NAME = "dist"
 FETCH_MODEL_CONTAINER = "fetch-model"
 TERMINATION_LOG = "/dev/termination-log"
 # The fetch is network- and disk-bound: a modest request, and a memory limit for the HTTP buffers.
@@ -202,6 +212,14 @@ def _model_dict(msvc: ModelService) -> dict[str, Any]:
     return model
 
 
+def _parallel_engine_keys(msvc: ModelService) -> dict[str, int]:
+    """spec.parallelism as runtime.yaml's engine keys, only where above 1: a ModelService without
+    parallelism keeps its restart hash (and its pods)."""
+    parallelism = msvc.settings.parallelism
+    return {key: size for key, size in (("tensorParallelSize", parallelism.tensor),
+                                        ("pipelineParallelSize", parallelism.pipeline)) if size > 1}
+
+
 def runtime_config(msvc: ModelService, lanes: list[ServingLane], overrides: Overrides, *,
                    dedicated_pool: bool = False) -> RuntimeConfig:
     """The RuntimeConfig of one pool; raises ValueError (ConfigError) when the combination is invalid."""
@@ -210,7 +228,7 @@ def runtime_config(msvc: ModelService, lanes: list[ServingLane], overrides: Over
                   for lane in sorted(lanes, key=lambda l: (-l.spec["priority"], l.lane_name))]
     return RuntimeConfig.from_dict({
         "model": _model_dict(msvc),
-        "engine": {**spec["engine"], **overrides.engine},
+        "engine": {**spec["engine"], **overrides.engine, **_parallel_engine_keys(msvc)},
         "scheduler": {**spec["scheduler"], **overrides.scheduler},
         "lanes": lane_dicts,
         "tenants": _tenant_dicts(msvc, [lane["name"] for lane in lane_dicts]),
@@ -268,6 +286,15 @@ def common_labels(msvc: ModelService) -> dict[str, str]:
 
 def selector_labels(msvc: ModelService, pool: str) -> dict[str, str]:
     return {LABEL_INSTANCE: msvc.name, LABEL_COMPONENT: "runtime", LABEL_POOL: pool}
+
+
+def serving_selector(msvc: ModelService, pool: str) -> dict[str, str]:
+    """The pods that serve the API: every pod of the pool, or only the groups' leaders (the
+    workers run pipeline stages and answer /health alone)."""
+    labels = selector_labels(msvc, pool)
+    if msvc.settings.parallelism.grouped:
+        labels[LABEL_LWS_WORKER_INDEX] = "0"
+    return labels
 
 
 def selector_string(labels: Mapping[str, str]) -> str:
@@ -436,13 +463,19 @@ def _resources(msvc: ModelService) -> dict:
     return out
 
 
-def deployment(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
+def pod_template(msvc: ModelService, pool: Pool, restart_hash: str, role: str = LEADER) -> dict:
+    """The runtime pods' template. `role`: LEADER (a Deployment's pods, a group's leader: the API
+    server, and stage 0 when grouped) or WORKER (a group's pods 1..pipeline-1: worker ranks that
+    answer only GET /health, on the same port). Every pod runs the same command; a grouped pod
+    finds its rank from the LeaderWorkerSet's environment (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE,
+    LWS_WORKER_INDEX) and the rendezvous port (TOKENLANE_DIST_PORT)."""
     spec = msvc.spec
     port = spec["port"]
+    grouped = msvc.settings.parallelism.grouped
     selector = selector_labels(msvc, pool.name)
     pod_labels = {**dict(spec.get("podLabels") or {}), **common_labels(msvc), **selector}
     pod_annotations = dict(spec.get("podAnnotations") or {})
-    if spec["monitoring"]["scrapeAnnotations"]:
+    if spec["monitoring"]["scrapeAnnotations"] and role == LEADER:  # workers export no /metrics
         pod_annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
                                 "prometheus.io/path": "/metrics"})
     pod_annotations[ANNOTATION_RESTART_HASH] = restart_hash
@@ -507,6 +540,7 @@ def deployment(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
         {"name": "TOKENLANE_LOG_LEVEL", "value": spec["logLevel"]},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *_adapter_fetch_env(msvc),
+        *([{"name": "TOKENLANE_DIST_PORT", "value": str(DIST_PORT)}] if grouped else []),
     ]
     env += [{"name": e["name"], "value": e.get("value", "")} for e in spec.get("env") or []]
 
@@ -520,13 +554,17 @@ def deployment(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": ["tokenlane"],
         "args": ["serve", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--host", "0.0.0.0", "--port", str(port)],
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
+                  # The group's rendezvous (torch.distributed's store), reached at LWS_LEADER_ADDRESS.
+                  *([{"name": DIST_PORT_NAME, "containerPort": DIST_PORT, "protocol": "TCP"}]
+                    if grouped and role == LEADER else [])],
         "env": env,
         "resources": _resources(msvc),
         # Loading weights can take minutes: the startup probe holds off liveness until /health answers.
         "startupProbe": probe("/health", 10, 180),
         "livenessProbe": probe("/health", 10, 6, timeout=5),
-        "readinessProbe": probe("/ready", 5, 3),
+        # A worker serves no API: it is ready while it is joined and healthy.
+        "readinessProbe": probe("/ready" if role == LEADER else "/health", 5, 3),
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
@@ -545,6 +583,10 @@ def deployment(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
                 "runtimeClassName", "imagePullSecrets"):
         if spec.get(key):
             pod_spec[key] = spec[key]
+    return {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec}
+
+
+def deployment(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -552,12 +594,45 @@ def deployment(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
         "spec": {
             "replicas": pool.replicas,
             "revisionHistoryLimit": 5,
-            "selector": {"matchLabels": selector},
+            "selector": {"matchLabels": selector_labels(msvc, pool.name)},
             # Never below the desired count during a rollout (needs room for one extra pod).
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec},
+            "template": pod_template(msvc, pool, restart_hash),
         },
     }
+
+
+def leader_worker_set(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
+    """A pool whose replicas are groups of spec.parallelism.pipeline pods (a LeaderWorkerSet,
+    leaderworkerset.x-k8s.io/v1): pod k of a group is pipeline stage k; the leader (k = 0) also
+    serves the API. A pod that fails recreates its whole group (the ranks cannot rejoin one by
+    one). Workers are created with the leader, not after it is ready: the leader is ready only
+    once every stage has joined."""
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": _metadata(msvc, pool.object_name, pool.name),
+        "spec": {
+            "replicas": pool.replicas,
+            "startupPolicy": "LeaderCreated",
+            # As the Deployment: never below the desired count during a rollout (room for one extra group).
+            "rolloutStrategy": {"type": "RollingUpdate",
+                                "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0}},
+            "leaderWorkerTemplate": {
+                "size": msvc.settings.parallelism.pipeline,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": pod_template(msvc, pool, restart_hash, LEADER),
+                "workerTemplate": pod_template(msvc, pool, restart_hash, WORKER),
+            },
+        },
+    }
+
+
+def workload(msvc: ModelService, pool: Pool, restart_hash: str) -> dict:
+    """The pool's pods: a Deployment, or a LeaderWorkerSet when spec.parallelism.pipeline > 1."""
+    if msvc.settings.parallelism.grouped:
+        return leader_worker_set(msvc, pool, restart_hash)
+    return deployment(msvc, pool, restart_hash)
 
 
 def service(msvc: ModelService, pool: Pool) -> dict:
@@ -567,7 +642,7 @@ def service(msvc: ModelService, pool: Pool) -> dict:
         "metadata": _metadata(msvc, pool.object_name, pool.name),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(msvc, pool.name),
+            "selector": serving_selector(msvc, pool.name),
             "ports": [{"name": "http", "port": msvc.spec["port"], "targetPort": "http", "protocol": "TCP",
                        "appProtocol": "http"}],
         },
@@ -738,7 +813,7 @@ def inference_pool(msvc: ModelService) -> dict:
         "kind": "InferencePool",
         "metadata": _metadata(msvc, msvc.name, SHARED_POOL),
         "spec": {
-            "selector": {"matchLabels": selector_labels(msvc, SHARED_POOL)},
+            "selector": {"matchLabels": serving_selector(msvc, SHARED_POOL)},
             "targetPorts": [{"number": msvc.spec["port"]}],
             "appProtocol": "http",
             "endpointPickerRef": {"kind": "Service", "name": picker.picker_service,
@@ -795,7 +870,7 @@ def build(msvc: ModelService, lanes: list[ServingLane], *, overrides: Optional[O
 
     objects: list[dict] = [config_map(msvc, pool) for pool in pools]
     for pool in pools:
-        objects.append(deployment(msvc, pool, pool.config.restart_hash()))
+        objects.append(workload(msvc, pool, pool.config.restart_hash()))
         objects.append(service(msvc, pool))
     shared = pools[0]
     if routed:

@@ -13,7 +13,7 @@ from typing import Any, Collection, Mapping, Optional
 
 from tokenlane.operator.desired import precedence
 from tokenlane.operator.desired import builders
-from tokenlane.operator.desired.builders import Desired, Pool, endpoint, selector_labels, selector_string
+from tokenlane.operator.desired.builders import Desired, Pool, endpoint, selector_string, serving_selector
 from tokenlane.operator.api.resources import ModelService, ServingLane
 
 MODEL_SERVICE_KEYS = ("observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector", "lanes",
@@ -206,7 +206,8 @@ def model_service_status(msvc: ModelService, desired: Desired, deployments: Mapp
         "replicas": replicas,
         "readyReplicas": ready,
         "updatedReplicas": updated,
-        "selector": selector_string(selector_labels(msvc, shared.name)),
+        # The API-serving pods (a group's leader): what an HPA on the scale subresource counts.
+        "selector": selector_string(serving_selector(msvc, shared.name)),
         "lanes": len(desired.admitted),
         "laneNames": sorted(l.lane_name for l in desired.admitted),
         "restartHash": shared.config.restart_hash(),
@@ -217,13 +218,15 @@ def model_service_status(msvc: ModelService, desired: Desired, deployments: Mapp
     }
 
 
-def invalid_status(current: Mapping[str, Any], generation: int, message: str, now: str) -> dict:
-    """Status of an object whose spec is invalid (ModelService or ServingLane)."""
+def invalid_status(current: Mapping[str, Any], generation: int, message: str, now: str,
+                   reason: str = "InvalidSpec") -> dict:
+    """Status of an object whose spec is invalid (ModelService or ServingLane), or that the
+    cluster cannot serve as it is (`reason`, e.g. LeaderWorkerSetUnavailable)."""
     return {
         "observedGeneration": generation,
         "conditions": merge_conditions(current.get("conditions"), [
-            condition("Ready", False, "InvalidSpec", message[:4000]),
-            condition("Degraded", True, "InvalidSpec", message[:4000]),
+            condition("Ready", False, reason, message[:4000]),
+            condition("Degraded", True, reason, message[:4000]),
         ], generation, now),
     }
 

@@ -274,7 +274,7 @@ def revision_of(objects: Sequence[Mapping[str, Any]]) -> str:
         else:
             meta.pop("annotations", None)
         obj.pop("status", None)
-        if obj.get("kind") == "Deployment":
+        if obj.get("kind") in ("Deployment", "LeaderWorkerSet"):
             obj.get("spec", {}).pop("replicas", None)
         canonical.append(obj)
     canonical.sort(key=lambda o: (o.get("kind", ""), o.get("metadata", {}).get("name", "")))

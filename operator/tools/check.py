@@ -15,8 +15,8 @@ the findings as a table or JSON. Exit status: 1 on an error (or a warning with `
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -25,8 +25,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import yaml
 
+from tokenlane import kube
 from tokenlane.operator.tools import render
 from tokenlane.operator.desired.builders import CONFIG_FILE, LABEL_MODEL_SERVICE, LABEL_POOL, SHARED_POOL
+from tokenlane.operator.api.schema import ENGINE_KEYS_ELSEWHERE
 from tokenlane.operator.tools.checklist import (
     RULES,
     SEVERITIES,
@@ -75,6 +77,7 @@ def read_checkpoint(folder: Path) -> Checkpoint:
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
             max_position_embeddings=raw.get("max_position_embeddings"),
+            num_attention_heads=heads,
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckInputError(f"{path}: cannot read the checkpoint's dimensions: {exc}") from None
@@ -115,6 +118,8 @@ def _manifest_locator(msvc_label: str, lane_objects: dict[str, str]) -> Callable
             return obj, _LANE_SPEC_KEYS.get(rest, f"spec.{rest}")
         if key == "lanes":
             return msvc_label, "ServingLanes"
+        if key.startswith("engine.") and key[len("engine."):] in ENGINE_KEYS_ELSEWHERE:
+            return msvc_label, f"spec.{ENGINE_KEYS_ELSEWHERE[key[len('engine.'):]]}"
         if key.startswith("tenants"):
             return msvc_label, f"spec.{key}"
         return msvc_label, f"spec.{key}"
@@ -313,55 +318,52 @@ def read_namespace(namespace: str, context: Optional[str]) -> ClusterObjects:
     """The ModelServices and ServingLanes of `namespace`, and the cluster's PrometheusRules.
 
     Credentials as kubectl finds them (KUBECONFIG, ~/.kube/config, `--context`), else the
-    in-cluster service account."""
+    in-cluster service account (`tokenlane.kube.load`)."""
     try:
-        from kubernetes import client, config as kube_config
-        from kubernetes.client.rest import ApiException
-        from kubernetes.config.config_exception import ConfigException
-    except ImportError:
-        raise CheckInputError("-n needs the kubernetes client: pip install 'tokenlane[operator]'") from None
-    try:
-        # KUBECONFIG read now, not when the client was imported (it may be a list of paths).
-        kube_config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, context=context)
-    except (ConfigException, OSError) as exc:
+        credentials = kube.load(context)
+    except kube.CredentialsError as exc:
         if context:
             raise CheckInputError(f"cannot load kubeconfig context {context!r}: {exc}") from None
-        try:
-            kube_config.load_incluster_config()
-        except ConfigException:
-            raise CheckInputError(f"no Kubernetes credentials: {exc}") from None
-    api = client.CustomObjectsApi()
+        raise CheckInputError(str(exc)) from None
+    return asyncio.run(_read_namespace(kube.KubeApi(credentials, user_agent="tokenlane-check"), namespace))
+
+
+async def _read_namespace(api: kube.KubeApi, namespace: str) -> ClusterObjects:
+    try:
+        return await _read_objects(api, namespace)
+    finally:
+        await api.close()
+
+
+async def _read_objects(api: kube.KubeApi, namespace: str) -> ClusterObjects:
     group, version = API_VERSION.split("/")
 
-    def items(kind: str, plural: str) -> list[dict]:
+    async def items(kind: str, plural: str) -> list[dict]:
         try:
-            listed = api.list_namespaced_custom_object(group, version, namespace, plural, _request_timeout=30)
-        except ApiException as exc:
+            return await api.list(kube.Resource(group, version, plural, kind), namespace)
+        except kube.ApiError as exc:
+            if exc.reason == "ConnectionError":
+                raise CheckInputError(f"cannot reach the Kubernetes API server: {exc.message}") from None
             if exc.status == 404:
                 raise CheckInputError(f"the API server has no {kind} kind: are the tokenlane CRDs installed "
                                       "(kubectl apply -k crds/)?") from None
-            raise CheckInputError(f"listing {plural} in {namespace}: {exc.status} {exc.reason}") from None
-        except Exception as exc:  # urllib3 connection errors: the server cannot be reached
-            raise CheckInputError(f"cannot reach the Kubernetes API server: {exc}") from None
-        return [{**item, "apiVersion": API_VERSION, "kind": kind} for item in listed.get("items", [])]
+            raise CheckInputError(f"listing {plural} in {namespace}: {exc.status} {exc.reason}: {exc.message}") from None
 
-    manifests = items(MODEL_SERVICE, "modelservices") + items(SERVING_LANE, "servinglanes")
+    manifests = await items(MODEL_SERVICE, "modelservices") + await items(SERVING_LANE, "servinglanes")
+    rules = kube.Resource(PROMETHEUS_RULE_GROUP, PROMETHEUS_RULE_VERSION, PROMETHEUS_RULE_PLURAL, "PrometheusRule")
     alerts, absent_why = None, ""
     try:
         try:
-            rules = api.list_cluster_custom_object(PROMETHEUS_RULE_GROUP, PROMETHEUS_RULE_VERSION,
-                                                   PROMETHEUS_RULE_PLURAL, _request_timeout=30)
+            found = await api.list(rules)
             source = "PrometheusRules (all namespaces)"
-        except ApiException as exc:
+        except kube.ApiError as exc:
             if exc.status != 403:
                 raise
             # Namespaced RBAC: the rules may still be readable where the ModelServices are.
-            rules = api.list_namespaced_custom_object(PROMETHEUS_RULE_GROUP, PROMETHEUS_RULE_VERSION, namespace,
-                                                      PROMETHEUS_RULE_PLURAL, _request_timeout=30)
+            found = await api.list(rules, namespace)
             source = f"PrometheusRules in {namespace}"
-        docs = [{**item, "kind": "PrometheusRule"} for item in rules.get("items", [])]
-        alerts = AlertRules(alert_names(docs), source)
-    except ApiException as exc:
+        alerts = AlertRules(alert_names(found), source)
+    except kube.ApiError as exc:
         if exc.status == 404:
             absent_why = "the cluster has no PrometheusRule API (no Prometheus Operator)"
         elif exc.status == 403:

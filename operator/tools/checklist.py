@@ -100,6 +100,9 @@ _RULE_LIST = [
     Rule("model-source-without-cache", "warning",
          "a huggingFace or s3 model source with more than one replica and no model cache: each pod downloads it"),
     Rule("rollout-without-prometheus", "info", "no tuning.prometheusUrl: the rollout guard checks readiness only"),
+    Rule("parallel-tensor-above-node", "warning", "tensorParallelSize above 8: more GPUs in one pod than most nodes have"),
+    Rule("parallel-tensor-heads", "error", "tensorParallelSize does not divide the checkpoint's attention heads"),
+    Rule("parallel-pipeline-above-layers", "error", "pipelineParallelSize exceeds the checkpoint's layers"),
     Rule("alerts-not-found", "warning", "no Prometheus alert rules were given or found"),
     Rule("alerts-missing", "warning", "the alert rules lack alerts the checklist needs"),
 ]
@@ -142,6 +145,7 @@ class Checkpoint:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: Optional[int]
+    num_attention_heads: Optional[int] = None
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         # Same formula as the runtime's kv_cache_bytes_per_block: K and V, every layer.
@@ -596,9 +600,39 @@ def rule_model_service(subject: Subject) -> Iterator[Problem]:
                           "declare slo targets on the lanes, or set tuning.enabled: false")
 
 
+# GPUs per node of the common GPU servers; more in one pod may never be scheduled.
+GPUS_PER_NODE = 8
+
+
+def rule_parallelism(subject: Subject) -> Iterator[Problem]:
+    """What can be seen before start of engine.tensorParallelSize / pipelineParallelSize
+    (spec.parallelism): the runtime refuses the checkpoint mismatches at start too."""
+    engine = subject.shared.engine
+    tensor, pipeline = engine.tensor_parallel_size or 1, engine.pipeline_parallel_size or 1
+    if tensor > GPUS_PER_NODE and subject.on_cpu is not True:
+        yield Problem("parallel-tensor-above-node", "engine.tensorParallelSize",
+                      f"{tensor} tensor-parallel ranks, one GPU each, in one pod: few nodes have more than "
+                      f"{GPUS_PER_NODE} GPUs, so the pod may never be scheduled",
+                      f"keep tensorParallelSize at the GPUs of one node (<= {GPUS_PER_NODE}) and split the rest "
+                      "into pipelineParallelSize stages, one pod each")
+    ckpt = subject.checkpoint
+    if ckpt is None:
+        return
+    if ckpt.num_attention_heads and ckpt.num_attention_heads % tensor:
+        yield Problem("parallel-tensor-heads", "engine.tensorParallelSize",
+                      f"tensorParallelSize {tensor} does not divide the checkpoint's {ckpt.num_attention_heads} "
+                      "attention heads: the runtime refuses to start",
+                      "pick a divisor of the attention heads")
+    if pipeline > ckpt.num_layers:
+        yield Problem("parallel-pipeline-above-layers", "engine.pipelineParallelSize",
+                      f"pipelineParallelSize {pipeline} exceeds the checkpoint's {ckpt.num_layers} layers: a stage "
+                      "would hold none, and the runtime refuses to start",
+                      f"use at most {ckpt.num_layers} stages")
+
+
 CONFIG_RULES: list[Callable[[Subject], Iterable[Problem]]] = [
     rule_max_model_len, rule_watermarks, rule_batching, rule_lanes, rule_slos, rule_timeouts, rule_kv_pool,
-    rule_kv_fp8, rule_isolation, rule_tenants, rule_model_service,
+    rule_kv_fp8, rule_isolation, rule_tenants, rule_model_service, rule_parallelism,
 ]
 
 

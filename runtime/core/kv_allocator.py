@@ -11,9 +11,10 @@ and the lane's room (its cap, less the other lanes' unmet reserves; kv_quotas.py
 returns the block ids it added (an empty list when the table already covers them); None, and
 nothing changed, when they don't. `free` releases the blocks and the lane's charge together,
 so the quota books never need a recount: they follow every block-table change as it happens.
-Parallel sampling goes through here too: a fork adds table entries to the follower's lane,
-and a sequence about to write into a block its group still shares gets its own copy within
-the same `allocate` call (the copy takes one more free block from the lane's room; the
+Parallel sampling goes through here too: a fork adds table entries to the follower's lane
+within its room (`fork` returns None when the lane's cap cannot take them), and a sequence
+about to write into a block its group still shares gets its own copy within the same
+`allocate` call (the copy takes one more free block from the lane's room; the
 (src, dst) pair goes to the step's `block_copies`).
 
 Pure Python, like the rest of runtime/core.
@@ -125,11 +126,14 @@ class LaneKVAllocator:
             # A running request (a decode, or its next prefill chunk): the hot path, kept lean.
             new = -(-(request.num_computed_tokens + num_new_tokens) // kv.block_size) - held
             copy_at = None if request.group is None else self._shared_write_index(request)
-            if new <= 0 and copy_at is None:
-                return []
-            if not self.fits(max(new, 0) + (copy_at is not None), lane):
+            if copy_at is None:
+                if new <= 0:
+                    return []
+                if not (self.fits(new, lane) if self.quotas.active else new <= kv.num_free_blocks):
+                    return None
+            elif not self.fits(max(new, 0) + 1, lane):
                 return None
-            if copy_at is not None:
+            else:
                 self._copy(request, copy_at, lane, block_copies)
             if new <= 0:
                 return []
@@ -171,11 +175,19 @@ class LaneKVAllocator:
         table = request.block_ids
         return index if index < len(table) and self.kv.is_shared(table[index]) else None
 
-    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
-        """Share the parent's blocks covering `num_tokens` with the child (kv_cache.fork);
-        the child's lane is charged for its table's entries (shared ones count per holder)."""
-        self.kv.fork(parent, child, num_tokens)
-        self._charge(child, child.lane, child.block_ids)
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> Optional[list[int]]:
+        """Share the parent's blocks covering `num_tokens` with the child (kv_cache.fork),
+        charged to the child's lane like any allocation (shared entries count per holder
+        against its cap; they take no free block): the child's table, or None (nothing
+        changed) if the lane's room lacks them."""
+        kv, lane = self.kv, child.lane
+        shared = parent.block_ids[: kv.blocks_for_tokens(num_tokens)]
+        need = self.quotas.unmet_growth_of_sharing(lane, shared) if self.quotas.active else 0
+        if not self.fits(need, lane, len(shared)):
+            return None
+        kv.fork(parent, child, num_tokens)
+        self._charge(child, lane, child.block_ids)
+        return child.block_ids
 
     def free(self, request: Request) -> None:
         """Release the request's blocks and its lane's charge for them. Idempotent."""

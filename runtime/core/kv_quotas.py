@@ -23,13 +23,15 @@ sits above the watermark (docs/tuning.md, "Lane isolation").
 
 Pure Python; the KV allocator (kv_allocator.py) keeps the books: it records every block-table
 entry it adds (`take`) and every one it lets go (`drop`), so they stay exact without a
-recount (`recount` only re-books the holders after a reload).
+recount (`recount` only re-books the holders after a reload). Without shares in force only
+`held` is kept (the per-block books serve the reserves); a reload that brings shares in
+recounts them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from tokenlane.runtime.config import LaneBudgets
 from tokenlane.runtime.core.request import Request
@@ -47,7 +49,9 @@ class LaneKVQuotas:
         self._block_lanes: dict[int, dict[str, int]] = {}
 
     def configure(self, budgets: Mapping[str, LaneBudgets]) -> None:
-        """Take the lanes' shares (hot reload); held counts of known lanes stay."""
+        """Take the lanes' shares (hot reload); held counts of known lanes stay. The caller
+        recounts after it (`LaneKVAllocator.configure`): that fills the per-block books when
+        shares come into force."""
         total = self.num_blocks
         self.cap = {name: math.floor(b.max_kv_cache_share * total + 1e-9) for name, b in budgets.items()}
         self.reserve = {name: math.floor(b.kv_cache_reserved * total + 1e-9) for name, b in budgets.items()}
@@ -65,9 +69,12 @@ class LaneKVQuotas:
         for request in holders:
             self.take(request.lane, request.block_ids)
 
-    def take(self, lane: str, block_ids: Iterable[int]) -> None:
+    def take(self, lane: str, block_ids: Sequence[int]) -> None:
         """Block-table entries added to a request of `lane`."""
         held, owned, block_lanes = self.held, self.owned, self._block_lanes
+        if not self.active:  # only `held` is read without shares (`configure` then recounts)
+            held[lane] = held.get(lane, 0) + len(block_ids)
+            return
         for block_id in block_ids:
             held[lane] = held.get(lane, 0) + 1
             lanes = block_lanes.get(block_id)
@@ -82,9 +89,12 @@ class LaneKVQuotas:
                     owned[only] -= 1
                 lanes[lane] = 1
 
-    def drop(self, lane: str, block_ids: Iterable[int]) -> None:
+    def drop(self, lane: str, block_ids: Sequence[int]) -> None:
         """Block-table entries a request of `lane` let go of."""
         held, owned, block_lanes = self.held, self.owned, self._block_lanes
+        if not self.active:
+            held[lane] -= len(block_ids)
+            return
         for block_id in block_ids:
             held[lane] -= 1
             lanes = block_lanes[block_id]
@@ -160,6 +170,7 @@ class LaneKVQuotas:
         """Held and owned counts equal a recount; with shares in force, no lane above its cap
         and every unmet reserve free."""
         recount = LaneKVQuotas(self.num_blocks)
+        recount.active = self.active
         recount.held = dict.fromkeys(self.held, 0)
         recount.recount(running)
         held = recount.held

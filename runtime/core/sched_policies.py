@@ -9,7 +9,8 @@ its one loop; tests/runtime/test_sched_policies.py holds a property test for eac
   requests picked when the previous one has completely finished;
 - `LaneBatches`: per-lane static batching (lane key `continuousBatching: false`): which
   waiting requests join a lane's batch;
-- `ParallelSampling`: whether a sequence group (n > 1) may start: room for all its sequences;
+- `ParallelSampling`: whether a sequence group (n > 1) may start: room for all its sequences
+  (as much of it as its lane can ever hold);
 - `AdapterSlots`: multi-LoRA's `engine.maxLoras`: at most that many distinct adapters among
   the running requests (so in any one step), and no waiting adapter starves (its property
   test is in tests/runtime/test_lora_engine.py).
@@ -329,10 +330,14 @@ class ParallelSampling:
         return not num_running or num_running + group_size <= max_active
 
     @staticmethod
-    def blocks_to_start(leader_blocks: int, group_size: int) -> int:
+    def blocks_to_start(leader_blocks: int, group_size: int, capacity: Optional[int] = None) -> int:
         """Free blocks a leader needs to start: its own first chunk's, and one per follower
-        (each one's copy of the shared partial block at the fork)."""
-        return leader_blocks + group_size - 1
+        (each one's copy of the shared partial block at the fork); at most the lane's
+        `capacity` (the most it can ever hold), else the group would never start: a group
+        larger than its lane starts once the lane has room for all it can hold, and the
+        followers its cap cannot take at the fork give way (they compute their prompts later)."""
+        need = leader_blocks + group_size - 1
+        return need if capacity is None else min(need, max(leader_blocks, capacity))
 
     def group_fits(
         self,
@@ -344,13 +349,15 @@ class ParallelSampling:
         lane_running: int,
         lane_max_active: int,
         fits_blocks: Callable[[int], bool],
+        capacity: Optional[int] = None,
     ) -> bool:
         """Whether a leader may start now: its sequences fit the step-wide and the lane's caps
-        on running sequences, and its blocks fit (`fits_blocks`, the lane's room)."""
+        on running sequences, and its blocks fit (`fits_blocks`, the lane's room; `capacity`,
+        the most blocks the lane can ever hold)."""
         return (
             self.sequences_fit(group_size, num_running, max_active)
             and self.sequences_fit(group_size, lane_running, lane_max_active)
-            and fits_blocks(self.blocks_to_start(leader_blocks, group_size))
+            and fits_blocks(self.blocks_to_start(leader_blocks, group_size, capacity))
         )
 
 

@@ -4,12 +4,13 @@ Every step re-selects the working set from scratch:
 
 1. Requests whose queue timeout or deadline passed are finished (their blocks freed).
 2. Running requests get their tokens, in rank order (higher lane priority, then older first),
-   by one rule for decodes and prefill chunks alike (`_serve`): n = min(the tokens it has
-   left to compute, its lane's prefillChunkSize, the step's and the lane's token budgets),
-   capped by the step-time budget; its blocks come from one allocator call (kv_allocator.py),
-   which checks and charges the lane's KV shares. Decode-first serves every running decode
-   before any prefill chunk; `mixed` serves the running set in rank order whatever phase
-   each request is in. A request that needs KV blocks and finds none preempts (by
+   by one rule for decodes and prefill chunks alike (`_serve`; the plain decode, the common
+   case, is spelled out inline): n = min(the tokens it has left to compute, its lane's
+   prefillChunkSize, the step's and the lane's token budgets), capped by the step-time
+   budget; its blocks come from one allocator call (kv_allocator.py), which checks and
+   charges the lane's KV shares, forks of parallel-sampling groups included. Decode-first
+   serves every running decode before any prefill chunk; `mixed` serves the running set in
+   rank order whatever phase each request is in. A request that needs KV blocks and finds none preempts (by
    recompute) the lowest-ranked running request not yet scheduled in this step: lowest lane
    priority, then newest; if none is left, a decode gives way itself and a prefill chunk
    shrinks to the room there is. The highest-ranked request can always progress (admission
@@ -299,10 +300,31 @@ class Scheduler:
         # --- the running set, in rank order: one rule for decodes and prefill chunks
         decode_first = sched.policy != "mixed"
         prefills_after_decodes: list[tuple[int, Request]] = []
+        # A plain decode (no step-time cap, no sequence group) is `_serve` with every policy
+        # silent: n = 1 if both token budgets have a token left, and the allocator is called
+        # only when its last block is full. Spelled out here, it costs no call per request;
+        # one the allocator refuses goes on to `_serve`, which preempts for it.
+        plain_decodes = not timed
+        bs = self.block_size
+        allocate = self.allocator.allocate
+        chunks_append = chunks.append
+        scheduled_add = scheduled.add
         for index, request in enumerate(self.running):
             if request.status is not RUNNING or request.awaits_fork:
                 continue  # preempted earlier in this loop, or a follower not forked yet
-            if decode_first and len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens > 1:
+            start = request.num_computed_tokens
+            remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - start
+            if remaining == 1 and plain_decodes and request.group is None:
+                lane = lanes[request.lane]
+                if token_budget < 1 or lane.tokens_left < 1:
+                    continue
+                if start < len(request.block_ids) * bs or allocate(request, 1, request.lane) is not None:
+                    chunks_append(ScheduledChunk(request, start, 1, True))
+                    scheduled_add(request.request_id)
+                    lane.tokens_left -= 1
+                    token_budget -= 1
+                    continue
+            if decode_first and remaining > 1:
                 prefills_after_decodes.append((index, request))
                 continue
             token_budget -= self._serve(index, request, token_budget, scheduled, chunks, plan, now)
@@ -372,30 +394,26 @@ class Scheduler:
         # allocator is only called when the table grows, or a shared block must be copied.
         if start + n > len(request.block_ids) * self.block_size or request.group is not None:
             allocator = self.allocator
-            need = allocator.blocks_needed(request, n)
-            if need and not self._room_for(need, index, lane.name, scheduled, plan):
-                if is_decode:
-                    self._preempt(request, plan)  # nothing lower-ranked to evict: it gives way
-                    return 0
-                # Take what fits rather than nothing (the chunk shrinks to the lane's room).
-                n = min(n, allocator.tokens_in_room(request, lane.name) - start)
-                if n <= 0:
-                    return 0
             # (a parallel-sampling sequence writing into a block its group shares gets its copy here)
-            blocks = allocator.allocate(request, n, lane.name, block_copies=plan.block_copies)
-            assert blocks is not None, (request.request_id, n)
+            if allocator.allocate(request, n, lane.name, block_copies=plan.block_copies) is None:
+                # The lane lacks room: preempt lower-ranked requests for it, then try again.
+                need = allocator.blocks_needed(request, n)
+                if not self._make_room(need, index, scheduled, plan, lane=lane.name):
+                    if is_decode:
+                        self._preempt(request, plan)  # nothing lower-ranked to evict: it gives way
+                        return 0
+                    # Take what fits rather than nothing (the chunk shrinks to the lane's room).
+                    n = min(n, allocator.tokens_in_room(request, lane.name) - start)
+                    if n <= 0:
+                        return 0
+                blocks = allocator.allocate(request, n, lane.name, block_copies=plan.block_copies)
+                assert blocks is not None, (request.request_id, n)
         if not is_decode:
             budget.add(start, n)
         chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
         scheduled.add(request.request_id)
         lane.tokens_left -= n
         return n
-
-    def _room_for(self, num_blocks: int, index: int, lane_name: str, scheduled: set[str], plan: StepPlan) -> bool:
-        """Whether the lane may take `num_blocks` now, preempting lower-ranked requests for them."""
-        return self.allocator.fits(num_blocks, lane_name) or self._make_room(
-            num_blocks, index, scheduled, plan, lane=lane_name
-        )
 
     def _make_room(
         self, num_blocks: int, index: int, scheduled: set[str], plan: StepPlan, lane: Optional[str] = None
@@ -705,7 +723,7 @@ class Scheduler:
                     continue
             group = request.group
             if group is not None and not group.forked and after >= group.fork_tokens:
-                self._fork(group)
+                self._fork(group, plan)
             if not chunk.sample:
                 continue
             if params.max_tokens == 0:  # prompt logprobs only: the sampled token is not wanted
@@ -771,6 +789,7 @@ class Scheduler:
             lane_running=lane.num_running,
             lane_max_active=lane.budgets.max_active_sequences,
             fits_blocks=lambda num_blocks: self.allocator.fits(num_blocks, lane.name),
+            capacity=self.quotas.capacity(lane.name) if self.quotas.active else None,
         )
 
     def _start_unforked_followers(self, leader: Request, lane: Lane, now: float) -> None:
@@ -801,9 +820,12 @@ class Scheduler:
             if not follower.is_finished:
                 self.finish_request(follower, status, detail)
 
-    def _fork(self, group) -> None:
+    def _fork(self, group, plan: StepPlan) -> None:
         """The leader computed every prompt token but the last: each waiting follower takes
-        its share of the leader's blocks and continues from there as a decode."""
+        its share of the leader's blocks and continues from there as a decode. A follower
+        whose lane's KV cap cannot take its share (shared entries count per holder) gives way,
+        as a decode that cannot grow does: it waits in its lane's queue and later computes
+        its prompt itself."""
         leader = group.leader
         group.forked = True
         for follower in group.members[1:]:
@@ -811,7 +833,9 @@ class Scheduler:
             if follower.is_finished:
                 continue
             assert follower.status is RUNNING, (follower.request_id, follower.status)
-            self.allocator.fork(leader, follower, group.fork_tokens)  # shared entries count per holder
+            if self.allocator.fork(leader, follower, group.fork_tokens) is None:
+                self._preempt(follower, plan)
+                continue
             follower.num_cached_tokens = leader.num_cached_tokens
             if follower.sampling_params.prompt_logprobs is not None:
                 follower.prompt_logprobs = list(leader.prompt_logprobs)

@@ -85,6 +85,12 @@ class ExecutorOutput:
     kv_restore_seconds: Optional[float] = None
 
 
+class ExecutorGroupFailed(RuntimeError):
+    """A rank of a multi-rank executor (engine.tensorParallelSize x pipelineParallelSize) died,
+    hung or failed a step: the whole group is down. The engine re-raises it at once (no
+    per-request isolation: every request of the group would fail the same way)."""
+
+
 class Executor(Protocol):
     """Runs one step's plan: the model executor (executor.py) or the simulated one (bench)."""
 

@@ -5,8 +5,11 @@ The step loop runs in one dedicated thread, step after step, so the event loop s
 responsive while the model computes; it hands each step's outputs to the event loop
 (`call_soon_threadsafe`) and goes straight on to the next step, never waiting for the loop
 (a hand-off per step left the step thread idle for a loop wake-up each time:
-`python -m tokenlane.bench.step_profile --http`, "loop gap"). Each request gets a
-`RequestStream` (an async iterator over its `RequestOutput`s, backed by an asyncio queue).
+`python -m tokenlane.bench.step_profile --http`, "loop gap"). The outputs carry token ids:
+the event loop detokenizes them and looks for stop strings (the `OutputProcessor` of the
+stream table, which both engine fronts share) as it dispatches them, so text work never
+delays a step; a stop string ends the request in the engine at its next step boundary. Each
+request gets a `RequestStream` (an async iterator over its `RequestOutput`s).
 `submit` runs admission synchronously (so the server can answer 429/503 at once); `abort`
 takes effect at the next step boundary, where the request's KV blocks are freed.
 """
@@ -24,7 +27,7 @@ from typing import Callable, Optional
 from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.engine.llm_engine import LLMEngine
-from tokenlane.runtime.engine.output import RequestOutput
+from tokenlane.runtime.engine.output import OutputProcessor, RequestOutput
 from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -78,12 +81,15 @@ class RequestStream:
 
 
 class StreamTable:
-    """The open request streams of one engine front, and whether it takes new work. Both
-    fronts hold one (the in-process AsyncEngine and the core-process client,
-    runtime/engine/client.py): composition, not a shared base class."""
+    """The open request streams of one engine front, whether it takes new work, and the
+    front's output processing (text and stop strings, on the event loop). Both fronts hold
+    one (the in-process AsyncEngine and the core-process client, runtime/engine/client.py):
+    composition, not a shared base class."""
 
-    def __init__(self, record_rejection: Callable[[Request, AdmissionError], None]) -> None:
+    def __init__(self, record_rejection: Callable[[Request, AdmissionError], None],
+                 processor: OutputProcessor) -> None:
         self.streams: dict[str, RequestStream] = {}
+        self.processor = processor
         self._record_rejection = record_rejection  # refusals of the front's own are counted too
         self.started = False
         self.draining = False
@@ -119,7 +125,9 @@ class StreamTable:
         return streams
 
     def dispatch(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, in order: their text filled in, then each to its stream."""
         streams = self.streams
+        outputs = self.processor.process(outputs, self._request_of)
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is None:
@@ -127,6 +135,10 @@ class StreamTable:
             stream._put(output)
             if output.finished:
                 del streams[output.request_id]
+
+    def _request_of(self, request_id: str) -> Optional[Request]:
+        stream = self.streams.get(request_id)
+        return stream.request if stream is not None else None
 
     def fail_all(self, message: str) -> None:
         """End every open stream with an error output (the engine stopped or died)."""
@@ -147,6 +159,7 @@ class StreamTable:
                 )
             )
         self.streams.clear()
+        self.processor.clear()
 
 
 class AsyncEngine:
@@ -155,7 +168,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._table = StreamTable(engine.record_rejection)
+        self._table = StreamTable(engine.record_rejection, OutputProcessor(engine.tokenizer, self._end_request))
         self._wakeup = threading.Event()  # set on new work for the step thread
         self._halt = False  # the step thread stops after its current step (shutdown timed out)
         self._task: Optional[asyncio.Task] = None
@@ -251,6 +264,12 @@ class AsyncEngine:
             self.engine.abort_request(request_id, RequestStatus.FINISHED_CANCELLED, reason)
             self._wake()
 
+    def _end_request(self, request_id: str, status: RequestStatus, detail: str) -> None:
+        """The output processor ended a request (a stop string, a detokenizer error): end it
+        in the engine too, freeing its KV blocks at the next step boundary."""
+        self.engine.abort_request(request_id, status, detail)
+        self._wake()
+
     def reload_config(self, new: RuntimeConfig) -> None:
         self.engine.reload_config(new)
         self._wake()
@@ -301,4 +320,5 @@ class AsyncEngine:
                 wakeup.wait(self.idle_tick_s / 10)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: text and stop strings, then each output to its stream."""
         self._table.dispatch(outputs)

@@ -6,7 +6,7 @@ in a process of its own (runtime/engine/core_process.py).
       submit ──── AddRequests(AddRequest...) ───>     command thread: engine.add_request,
              <─── Replies(Admitted | Refused) ───      the admitted lanes or the refusal
       abort ───── Abort(request_id, reason) ───>      engine.abort_request
-      (a stop string found by the reader thread: Abort(..., FINISHED_STOPPED))
+      (a stop string found by the event loop: Abort(..., FINISHED_STOPPED))
       reload_config ─ Reload(config) ──────────>      engine.reload_config
       shutdown ── Stop() ──────────────────────>      step loop ends once nothing runs
       reader thread <─ StepOutputs(outputs, events, snapshot) ── step loop: engine.step()
@@ -17,8 +17,10 @@ Observers (metrics, flight recorder, request log) run in the API process: the co
 their events (step stats, finished requests, applied or refused configs) with each step's
 outputs, and a fresh occupancy snapshot (the /metrics gauges). Admission runs in the core,
 against the scheduler's state; the API process awaits its answer (one round trip) before it
-answers the client. The core returns token ids; the API process detokenizes them and looks
-for stop strings (a stop string it finds ends the request in the core with an Abort).
+answers the client. The core returns token ids; the API process's event loop detokenizes them
+and looks for stop strings as it dispatches them (the OutputProcessor the in-process front
+runs too: runtime/engine/output.py); a stop string it finds ends the request in the core with
+an Abort.
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ from typing import Any, Callable, Optional
 
 from tokenlane.runtime.config import ConfigError, RuntimeConfig
 from tokenlane.runtime.core.admission import AdmissionError
-from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus
+from tokenlane.runtime.core.request import Request, RequestStatus
 from tokenlane.runtime.core.stats import EngineObserver, StepStats
 from tokenlane.runtime.engine import messages as wire
 from tokenlane.runtime.engine.async_engine import RequestStream, StreamTable
 from tokenlane.runtime.engine.core_process import STOP_TIMEOUT_S, dumps_for_core, run_engine_core
 from tokenlane.runtime.engine.llm_engine import RestartRequired, restart_field_changes
-from tokenlane.runtime.engine.output import RequestOutput, TextState
+from tokenlane.runtime.engine.output import OutputProcessor, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +98,7 @@ class CoreProcessClient:
 
     def __init__(self, view: CoreView, process, commands, events) -> None:
         self._view = view
-        self._table = StreamTable(view.record_rejection)
-        # The reader thread's: each running request's streamed text, and the requests it
-        # ended itself (a stop string) whose later outputs from the core are dropped.
-        self._texts: dict[str, TextState] = {}
-        self._ended_here: set[str] = set()
+        self._table = StreamTable(view.record_rejection, OutputProcessor(view.tokenizer, self._end_in_core))
         self._process = process
         self._commands = commands  # the API process's write end
         self._events = events  # the API process's read end
@@ -134,7 +132,7 @@ class CoreProcessClient:
 
             try:
                 tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
-                byte_level_table(tokenizer)  # built here, not by the reader's first request
+                byte_level_table(tokenizer)  # while the core loads (the output processor's table)
             except Exception as exc:  # as the core's own load of it would have failed
                 process.kill()
                 process.join(5)
@@ -291,9 +289,14 @@ class CoreProcessClient:
         if request_id in self._table.streams:
             self._send_abort(request_id, reason)
 
-    def _send_abort(self, request_id: str, reason: str) -> None:
+    def _send_abort(self, request_id: str, reason: str,
+                    status: RequestStatus = RequestStatus.FINISHED_CANCELLED) -> None:
         self._send_admissions()  # an abort must reach the core after the request it cancels
-        self._send_quietly(wire.Abort(request_id, reason))
+        self._send_quietly(wire.Abort(request_id, reason, status))
+
+    def _end_in_core(self, request_id: str, status: RequestStatus, detail: str) -> None:
+        """The output processor ended a request (a stop string, a detokenizer error)."""
+        self._send_abort(request_id, detail, status)
 
     def reload_config(self, new: RuntimeConfig) -> None:
         """Checked here as the engine would (RestartRequired at once), staged in the core."""
@@ -380,8 +383,8 @@ class CoreProcessClient:
             pass  # the core is gone: its requests are failed already
 
     def _read_events(self) -> None:
-        """The reader thread: observers run here (as they ran on the step thread in
-        process); outputs and replies go to the event loop."""
+        """The reader thread: observers run here (as they run on the step thread in
+        process); outputs (to be detokenized there) and replies go to the event loop."""
         view = self._view
         while True:
             try:
@@ -396,11 +399,8 @@ class CoreProcessClient:
                     view.relay(event)
                 if message.snapshot is not None:
                     view.snapshot = message.snapshot
-                outputs = message.outputs
-                if outputs and view.tokenizer is not None:
-                    outputs = self._detokenize(outputs)
-                if outputs:
-                    self._call_soon(self._dispatch_outputs, outputs)
+                if message.outputs:
+                    self._call_soon(self._dispatch_outputs, message.outputs)
             elif isinstance(message, wire.Replies):
                 self._call_soon(self._resolve, message.replies)
             elif isinstance(message, wire.AdapterReply):
@@ -415,50 +415,6 @@ class CoreProcessClient:
                 log.error("engine core: unexpected message %r", type(message).__name__)
         exit_code = self._process.exitcode
         self._call_soon(self._core_gone, f"the engine core exited (exit code {exit_code})")
-
-    def _detokenize(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The outputs' text, as the in-process engine would have given it (the core sends
-        token ids): incremental detokenization with stop-string hold-back. A stop string
-        ends the stream here and the request in the core (an Abort finishing it as stopped);
-        the core's later outputs for it are dropped. Runs on the reader thread."""
-        kept = []
-        for out in outputs:
-            request_id = out.request_id
-            if request_id in self._ended_here:
-                if out.finished:
-                    self._ended_here.discard(request_id)
-                continue
-            stream = self._table.streams.get(request_id)
-            state = self._texts.get(request_id)
-            if stream is None:  # not ours any more (the client left): its text is moot
-                self._texts.pop(request_id, None)
-                kept.append(out)
-                continue
-            end_in_core = None
-            try:
-                stopped = False
-                if out.new_token_ids:
-                    if state is None:
-                        state = self._texts[request_id] = TextState(self._view.tokenizer, stream.request)
-                    out.new_text, stopped = state.add(out.new_token_ids)
-                if stopped:
-                    out.finish_reason, out.finish_detail = FinishReason.STOP, "stop_string"
-                    end_in_core = RequestStatus.FINISHED_STOPPED
-                elif out.finished and state is not None:
-                    out.new_text += state.finish()
-            except Exception as exc:  # this request's text only: it fails, the others go on
-                log.exception("detokenizing %s failed", request_id)
-                out.new_text = ""
-                out.finish_reason, out.finish_detail = FinishReason.ERROR, f"detokenizer error: {exc}"
-                end_in_core = RequestStatus.FINISHED_ERROR
-            if end_in_core is not None and not out.finished:
-                out.finished = True
-                self._ended_here.add(request_id)
-                self._call_soon(self._send_quietly, wire.Abort(request_id, out.finish_detail, end_in_core))
-            if out.finished:
-                self._texts.pop(request_id, None)
-            kept.append(out)
-        return kept
 
     def _call_soon(self, fn, *args) -> None:
         try:

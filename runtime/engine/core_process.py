@@ -20,6 +20,7 @@ of the command pipe closes, so a killed server leaves no engine behind.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import gc
@@ -276,7 +277,7 @@ def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = lo
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
-        engine = LLMEngine.from_config(config, detokenize=False)  # the API process detokenizes
+        engine = LLMEngine.from_config(config)  # token ids only: the API process detokenizes
     except ConfigError as exc:
         events.send_bytes(wire.encode(wire.LoadFailed(str(exc), config_error=True)))
         _end_core(1)
@@ -313,7 +314,9 @@ def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = lo
 
 def _end_core(code: int) -> None:
     """Exit now, as `tokenlane serve` does: the interpreter's teardown of torch and triton
-    costs seconds of CPU (and nanobind prints a leak report)."""
+    costs seconds of CPU (and nanobind prints a leak report). The exit functions still run, as
+    `tokenlane serve` runs them: a multi-rank executor stops its worker ranks there."""
+    atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

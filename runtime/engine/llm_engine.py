@@ -1,17 +1,21 @@
-"""The synchronous engine: admission, the step loop, and output processing.
+"""The synchronous engine: admission, the step loop, and the step's outputs (token ids).
 
     def step(self):
         self._apply_staged()                       # new requests, aborts, config reload
         plan = self.scheduler.schedule()           # who runs how many tokens
         output = self._execute(plan)               # model (or simulated) step
         got_token = self.scheduler.update_from_output(plan, output)
-        outputs = self._outputs(got_token)         # text, stop strings, finished requests
+        outputs = self._outputs(got_token)         # new token ids, finished requests
         self._report_step(plan, output, schedule_seconds)  # step stats to the observers
         return outputs
 
 `add_request`, `abort_request` and `reload_config` only stage their change (under a small
 lock) so the asyncio front may call them while a step runs in its worker thread; the change
 takes effect at the next step boundary. Admission checks run at once, in `add_request`.
+
+The engine never detokenizes: its outputs carry token ids, and the front end (the
+OutputProcessor of runtime/engine/output.py, on the API process's event loop) makes their
+text, finds stop strings and ends a stopped request here with `abort_request`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from tokenlane.runtime.core.admission import (
     check_tenant_rate,
 )
 from tokenlane.runtime.config import ConfigError, RuntimeConfig
-from tokenlane.runtime.core.step_plan import Executor, ExecutorOutput, StepPlan
+from tokenlane.runtime.core.step_plan import Executor, ExecutorGroupFailed, ExecutorOutput, StepPlan
 from tokenlane.runtime.core.request import Request, RequestStatus
 from tokenlane.runtime.core.scheduler import Scheduler
 from tokenlane.runtime.core.startup import StartupPhase
@@ -47,7 +51,7 @@ from tokenlane.runtime.engine.adapters import (
     check_adapter_name,
     info_fields,
 )
-from tokenlane.runtime.engine.output import RequestOutput, TextState
+from tokenlane.runtime.engine.output import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -110,18 +114,10 @@ class LLMEngine:
         executor: Executor,
         tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
-        detokenize: bool = True,
     ) -> None:
         self.config = config
         self.executor = executor
-        self.tokenizer = tokenizer
-        # False: outputs carry token ids only, and stop strings are left to the caller (the
-        # engine core process, whose API process detokenizes: runtime/engine/client.py).
-        self.detokenize = detokenize
-        if tokenizer is not None and detokenize:
-            from tokenlane.runtime.engine.tokenizer import byte_level_table
-
-            byte_level_table(tokenizer)  # built here, not by the step loop's first request
+        self.tokenizer = tokenizer  # for structured output's grammars and the front end; never to detokenize
         self.clock = clock
         self.max_model_len: int = self._max_model_len(config)
         self.scheduler = Scheduler(
@@ -152,7 +148,6 @@ class LLMEngine:
         self._kv_releases: list[tuple[str, float]] = []  # (lane, seconds) of this step
         self._oom_events = 0  # of this step
         self._pending_config: Optional[RuntimeConfig] = None
-        self._text: dict[str, TextState] = {}
         self._failures = 0
         self._prefix_counters = (0, 0, 0)
         self._queued_since_step: dict[str, int] = {}  # lane -> requests queued since the last step
@@ -192,8 +187,7 @@ class LLMEngine:
         return min(limits)
 
     @classmethod
-    def from_config(cls, config: RuntimeConfig, clock: Callable[[], float] = time.monotonic,
-                    detokenize: bool = True) -> "LLMEngine":
+    def from_config(cls, config: RuntimeConfig, clock: Callable[[], float] = time.monotonic) -> "LLMEngine":
         if config.engine.executor == "simulated":
             from tokenlane.runtime.executor.simulated import SimulatedExecutor
 
@@ -208,8 +202,13 @@ class LLMEngine:
                               f"{type(tokenizer).__name__}, {len(tokenizer)} tokens"
                               + ("; transformers imported" if first else ""))
         log.info("%s", loaded.log_line())
-        executor = ModelExecutor(config)
-        engine = cls(config, executor, tokenizer=tokenizer, clock=clock, detokenize=detokenize)
+        if config.engine.tp_size * config.engine.pp_size > 1:
+            from tokenlane.runtime.distributed.executor import DistributedExecutor
+
+            executor = DistributedExecutor.launch(config)  # this process is rank 0 (docs/parallelism.md)
+        else:
+            executor = ModelExecutor(config)
+        engine = cls(config, executor, tokenizer=tokenizer, clock=clock)
         engine.startup_phases = (loaded, *executor.startup_phases)
         return engine
 
@@ -556,10 +555,13 @@ class LLMEngine:
                 lane.charge_tenant(request.tenant, 1)
 
     def _execute(self, plan: StepPlan) -> ExecutorOutput:
-        if not plan.chunks:
+        # An executor that mirrors requests on other ranks hears of ends and preemptions even then.
+        if not plan.chunks and not ((plan.finished or plan.preempted) and getattr(self.executor, "mirrors_requests", False)):
             return ExecutorOutput()
         try:
             output = self.executor.execute(plan)
+        except ExecutorGroupFailed:
+            raise  # a rank is gone: every request would fail alike, the loop goes down
         except Exception as exc:
             # The host tier's copies of a failed step may be incomplete: its offloaded slots are
             # dropped (never re-run: the step may have written the reused blocks since).
@@ -640,45 +642,20 @@ class LLMEngine:
         return output
 
     def _outputs(self, got_token: list) -> list[RequestOutput]:
-        """RequestOutputs of this step: new tokens and text, then every final status."""
-        scheduler = self.scheduler
+        """RequestOutputs of this step: new tokens, then every final status (no text: the
+        front end detokenizes)."""
         by_id: dict[str, RequestOutput] = {}
         outputs: list[RequestOutput] = []
-        tokenizer = self.tokenizer if self.detokenize else None
         for request in got_token:
-            new_text = ""
-            if tokenizer is not None:
-                try:
-                    state = self._text.get(request.request_id)
-                    if state is None:
-                        state = self._text[request.request_id] = TextState(tokenizer, request)
-                    new_text, stopped = state.add(request.output_token_ids[-1:])
-                except Exception as exc:  # this request's text only: it fails, the step goes on
-                    log.exception("detokenizing %s failed", request.request_id)
-                    self._text.pop(request.request_id, None)
-                    if not request.is_finished:
-                        scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, f"detokenizer error: {exc}")
-                    else:
-                        request.finish(RequestStatus.FINISHED_ERROR, f"detokenizer error: {exc}", now=request.finish_time)
-                    new_text, stopped = "", False
-                if stopped:
-                    if request.is_finished:  # finished by length in the same token
-                        request.finish(RequestStatus.FINISHED_STOPPED, "stop_string", now=request.finish_time)
-                    else:
-                        scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, "stop_string")
-            out = self._output(request, request.output_token_ids[-1:], new_text)
+            out = self._output(request, request.output_token_ids[-1:])
             by_id[request.request_id] = out
             outputs.append(out)
-        for request in scheduler.drain_finished():
+        for request in self.scheduler.drain_finished():
             self._time_kv_release(request)
-            state = self._text.pop(request.request_id, None)
-            tail = state.finish() if state is not None and request.finish_detail != "stop_string" else ""
             out = by_id.get(request.request_id)
             if out is None:
-                out = self._output(request, [], tail)
+                out = self._output(request, [])
                 outputs.append(out)
-            else:
-                out.new_text += tail
             out.finished = True
             out.finish_reason = request.finish_reason
             out.finish_detail = request.finish_detail
@@ -702,7 +679,7 @@ class LLMEngine:
         self._kv_releases.append((request.lane, max(0.0, request.finish_time - start)))
 
     @staticmethod
-    def _output(request: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(request: Request, new_ids: list[int]) -> RequestOutput:
         params = request.sampling_params
         new_logprobs = prompt_logprobs = None
         if params.logprobs is not None:
@@ -714,7 +691,7 @@ class LLMEngine:
             request_id=request.request_id,
             lane=request.lane,
             new_token_ids=new_ids,  # a fresh list from the caller
-            new_text=new_text,
+            new_text="",
             finished=False,
             finish_reason=None,
             finish_detail="",

@@ -1,17 +1,23 @@
-"""What one step gives each request (`RequestOutput`), and a request's streamed text
-(`TextState`: the incremental detokenizer with stop strings held back until they are clear).
+"""What one step gives each request (`RequestOutput`), a request's streamed text (`TextState`:
+the incremental detokenizer with stop strings held back until they are clear), and the front
+end's `OutputProcessor`, which keeps one TextState per request.
 
-The engine builds the outputs; whichever side detokenizes (the step loop in process, the API
-process for an engine core of its own: runtime/engine/core_client.py) keeps one TextState per
-request.
+The engine builds the outputs with token ids only: it never detokenizes. Both EngineClients
+(runtime/engine/client.py) run one OutputProcessor on the event loop of the API process, as
+their stream table dispatches a step's outputs (runtime/engine/async_engine.py), so text work
+never delays a step. Offline callers of `LLMEngine.step()` that want text step it through an
+`OfflineFront`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from tokenlane.runtime.core.request import FinishReason, Request, TokenLogprob
+from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -19,7 +25,7 @@ class RequestOutput:
     request_id: str
     lane: str
     new_token_ids: list[int]
-    new_text: str  # incremental detokenized text ("" without tokenizer, or when detokenize=False)
+    new_text: str  # incremental text: "" from the engine, filled in by the front end's OutputProcessor
     finished: bool
     finish_reason: Optional[FinishReason]
     finish_detail: str  # e.g. "queue_timeout", "stop_string", "eos", rejection reason
@@ -95,6 +101,117 @@ class TextState:
         out = self.text[self.sent : upto]
         self.sent = upto
         return out
+
+
+# end_request(request_id, status, detail): end a request in the engine at its next step boundary.
+EndRequest = Callable[[str, RequestStatus, str], None]
+
+
+class OutputProcessor:
+    """The front end's output processing, one per engine front: each request's streamed text,
+    stop strings, and the end in the engine of a request the front end ended.
+
+    `process(outputs, request_of)` fills in the outputs' text (a step's outputs in order;
+    `request_of(request_id)` is the Request being served, or None once nobody waits for it).
+    A stop string makes the output final (finish reason stop, "stop_string") and ends the
+    request in the engine through `end_request` (FINISHED_STOPPED), which frees its KV blocks
+    at the engine's next step boundary; a detokenizer error does the same for that request
+    alone (FINISHED_ERROR). The engine's later outputs of a request ended here are dropped.
+    Not thread-safe: one thread calls it (the event loop)."""
+
+    def __init__(self, tokenizer: Any, end_request: EndRequest) -> None:
+        self.tokenizer = tokenizer
+        self._end_request = end_request
+        self._texts: dict[str, TextState] = {}
+        self._ended_here: set[str] = set()  # ended by a stop string or error; the engine's end pending
+        if tokenizer is not None:
+            from tokenlane.runtime.engine.tokenizer import byte_level_table
+
+            byte_level_table(tokenizer)  # built here, not by the first request's first token
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests with text state or an end in the engine still to come (0 when idle)."""
+        return len(self._texts) + len(self._ended_here)
+
+    def process(self, outputs: list[RequestOutput],
+                request_of: Callable[[str], Optional[Request]]) -> list[RequestOutput]:
+        if self.tokenizer is None:  # the simulated executor: ids only (the server makes placeholder text)
+            return outputs
+        texts, ended_here = self._texts, self._ended_here
+        kept = []
+        for out in outputs:
+            request_id = out.request_id
+            if request_id in ended_here:
+                if out.finished:
+                    ended_here.discard(request_id)
+                continue
+            request = request_of(request_id)
+            if request is None:  # nobody waits for it any more: its text is moot
+                texts.pop(request_id, None)
+                kept.append(out)
+                continue
+            state = texts.get(request_id)
+            end_in_engine = None
+            try:
+                stopped = False
+                if out.new_token_ids:
+                    if state is None:
+                        state = texts[request_id] = TextState(self.tokenizer, request)
+                    out.new_text, stopped = state.add(out.new_token_ids)
+                if stopped:
+                    out.finish_reason, out.finish_detail = FinishReason.STOP, "stop_string"
+                    end_in_engine = RequestStatus.FINISHED_STOPPED
+                elif out.finished and state is not None:
+                    out.new_text += state.finish()
+            except Exception as exc:  # this request's text only: it fails, the others go on
+                log.exception("detokenizing %s failed", request_id)
+                out.new_text = ""
+                out.finish_reason, out.finish_detail = FinishReason.ERROR, f"detokenizer error: {exc}"
+                end_in_engine = RequestStatus.FINISHED_ERROR
+            if end_in_engine is not None and not out.finished:
+                out.finished = True
+                ended_here.add(request_id)
+                self._end_request(request_id, end_in_engine, out.finish_detail)
+            if out.finished:
+                texts.pop(request_id, None)
+            kept.append(out)
+        return kept
+
+    def clear(self) -> None:
+        """Forget every request (the engine stopped: no more outputs come)."""
+        self._texts.clear()
+        self._ended_here.clear()
+
+
+class OfflineFront:
+    """An LLMEngine stepped by its caller (tests, benchmarks, offline runs), its outputs with
+    text: the engine's `add_request`/`add_group`, and `step()` through an OutputProcessor
+    whose stop strings end requests in the engine (freed at its next step)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.processor = OutputProcessor(engine.tokenizer, engine.abort_request)
+        self._requests: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        self.engine.add_request(request)
+        self._requests[request.request_id] = request
+
+    def add_group(self, requests: list[Request]) -> None:
+        self.engine.add_group(requests)
+        for request in requests:
+            self._requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.processor.process(self.engine.step(), self._requests.get)
+        for out in outputs:
+            if out.finished:
+                self._requests.pop(out.request_id, None)
+        return outputs
 
 
 def _kmp_failure(s: str) -> list[int]:

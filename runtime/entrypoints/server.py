@@ -108,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the config's; unset there, where the server has a core to itself)")
     g.add_argument("--cpu-bind", help="engine.cpuBind (auto|none|a CPU list such as 2-15): where the "
                                       "compute threads are pinned")
+    g.add_argument("--tensor-parallel-size", type=int, help="engine.tensorParallelSize: ranks (GPUs) per "
+                                                            "pipeline stage (docs/parallelism.md)")
+    g.add_argument("--pipeline-parallel-size", type=int, help="engine.pipelineParallelSize: pipeline stages")
+    d = p.add_argument_group("multi-node rendezvous (default: LeaderWorkerSet's LWS_* environment, else one node)")
+    d.add_argument("--nnodes", type=int, help="nodes (pods) of the group: 1 or engine.pipelineParallelSize "
+                                              "(env LWS_GROUP_SIZE)")
+    d.add_argument("--node-rank", type=int, help="this node's index, 0 = the leader that serves the API "
+                                                 "(env LWS_WORKER_INDEX)")
+    d.add_argument("--master-addr", help="the leader's address (env LWS_LEADER_ADDRESS; default 127.0.0.1)")
+    d.add_argument("--master-port", type=int, help="the leader's rendezvous port; torch.distributed uses the "
+                                                   "next one too (env TOKENLANE_DIST_PORT; default 29500)")
+    d.add_argument("--rendezvous-timeout", type=float, help="seconds the start waits for every rank to join "
+                                                            "(env TOKENLANE_DIST_TIMEOUT_S; default 600)")
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM, time in-flight requests get to finish (default 30)")
     p.add_argument("--config-poll-seconds", type=float, default=1.0,
@@ -139,6 +152,8 @@ def apply_overrides(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeC
             "attention_backend": args.attention_backend,
             "executor": args.executor,
             "cpu_bind": args.cpu_bind,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
         }.items() if v is not None
     }
     if args.no_continuous_batching:
@@ -156,6 +171,19 @@ def apply_overrides(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeC
     except ConfigError as exc:
         raise ConfigError(f"config.engine.{exc}") from None
     return dataclasses.replace(config, model=model, engine=engine)
+
+
+def resolve_rendezvous(args: argparse.Namespace):
+    """Where a multi-rank group meets: the flags over the environment (TOKENLANE_DIST_*, then
+    LeaderWorkerSet's LWS_*). ValueError naming the flag or variable."""
+    from tokenlane.runtime.distributed.launch import Rendezvous
+
+    found = Rendezvous.from_env(os.environ)
+    flags = {k: v for k, v in {
+        "nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
+        "master_port": args.master_port, "timeout_s": args.rendezvous_timeout,
+    }.items() if v is not None}
+    return dataclasses.replace(found, **flags) if flags else found
 
 
 class GracefulServer(uvicorn.Server):
@@ -255,6 +283,21 @@ def main(argv: Optional[list[str]] = None, *, exit_when_served: bool = True) -> 
         print(f"tokenlane serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
     config_s = time.perf_counter() - started
+    if config.engine.tp_size * config.engine.pp_size > 1:
+        try:
+            rendezvous = resolve_rendezvous(args)
+        except ValueError as exc:
+            print(f"tokenlane serve: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        rendezvous.export(os.environ)  # the engine (here or in its core process) reads it there
+        if rendezvous.node_rank > 0:
+            from tokenlane.runtime.distributed.worker import run_worker_node
+
+            code = run_worker_node(config, rendezvous, args.host, args.port)
+            log.info("worker node done; exit %d", code)
+            if exit_when_served:
+                end_process(code)
+            return code
 
     # Import: from process start (the interpreter, this module, FastAPI, uvicorn) to the engine's
     # modules loaded (torch, the kernels); transformers loads with the tokenizer.

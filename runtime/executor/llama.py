@@ -16,6 +16,13 @@ one [T, ...] tensor. One CPU-side shortcut keeps exact semantics: a prefill chun
 cached context (context length == query length) attends only to its own fresh keys, so with
 the torch backend it goes straight to `scaled_dot_product_attention` instead of gathering
 the same keys back out of the cache.
+
+Tensor and pipeline parallel (runtime/executor/sharding.py says how the model is cut): built
+with a `ParallelState`, the model holds only this rank's heads, MLP columns, vocabulary rows
+and stage layers, reads only those slices from the safetensors files, and does one all-reduce
+after each row-parallel projection (o_proj, down_proj) and after the vocab-parallel embedding;
+the LM head's logits are gathered over the tensor ranks. A stage after the first receives its
+hidden states from the previous stage, a stage before the last sends them on.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from torch import nn
 from tokenlane.kernels import api as kernels
 from tokenlane.kernels.lora import LoraSegments
 from tokenlane.runtime.executor.cpu_dense import PrepackedLinear, detect_cpu_matmul_support, prepack_linear
+from tokenlane.runtime.executor.parallel_state import ParallelState, single_process
+from tokenlane.runtime.executor.sharding import ShardPlan, local_args, shard_plan
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -271,8 +280,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """`args` are this rank's (sharding.local_args): its query and KV heads. With tensor
+    parallel ranks `parallel` sums o_proj's partial products over them."""
+
+    def __init__(self, args: ModelArgs, parallel: Optional[ParallelState] = None):
         super().__init__()
+        self.parallel = parallel if parallel is not None and parallel.layout.tp > 1 else None
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
@@ -351,12 +364,15 @@ class Attention(nn.Module):
         y = self.o_proj(attended)
         if self.lora_o is not None:
             self.lora_o.apply(y, attended, meta.lora, meta.backend)
+        if self.parallel is not None:  # row-parallel: each rank's heads' share of the sum
+            self.parallel.all_reduce(y)
         return y
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, parallel: Optional[ParallelState] = None):
         super().__init__()
+        self.parallel = parallel if parallel is not None and parallel.layout.tp > 1 else None
         self.intermediate_size = args.intermediate_size
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
@@ -373,16 +389,18 @@ class MLP(nn.Module):
         y = self.down_proj(hidden)
         if self.lora_down is not None:
             self.lora_down.apply(y, hidden, lora, backend)
+        if self.parallel is not None:  # row-parallel: each rank's columns' share of the sum
+            self.parallel.all_reduce(y)
         return y
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, parallel: Optional[ParallelState] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, parallel)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, parallel)
 
     def forward(self, x, cos, sin_signed, kv_cache, meta):
         # Residual adds into the sublayers' fresh outputs (a + x == x + a exactly).
@@ -401,15 +419,27 @@ def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
 
 
 class CausalLM(nn.Module):
-    """The decoder stack plus LM head; `forward` returns logits of selected tokens only."""
+    """The decoder stack plus LM head; `forward` returns logits of selected tokens only.
 
-    def __init__(self, args: ModelArgs):
+    `args` is the whole model's shape; with a `parallel` group of more than one rank the
+    modules are this rank's share (`shard`, `local_args`): `layers` are the stage's layers
+    (global layer `shard.layer_start + i` is `layers[i]`), `embed_tokens` exists on the first
+    stage only, `norm` and `lm_head` on the last."""
+
+    def __init__(self, args: ModelArgs, parallel: Optional[ParallelState] = None):
         super().__init__()
         self.args = args
-        self.embed_tokens = _embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.parallel = parallel if parallel is not None else single_process(torch.device("cpu"))
+        self.shard: ShardPlan = shard_plan(args, self.parallel.layout)
+        self.local_args = local_args(args, self.shard)
+        shard, here = self.shard, self.local_args
+        group = self.parallel if shard.sharded else None
+        self.embed_tokens = _embedding(shard.vocab_per_rank, args.hidden_size) if shard.first_stage else None
+        self.layers = nn.ModuleList(DecoderLayer(here, group) for _ in range(shard.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if shard.last_stage else None
+        self.lm_head = (nn.Linear(args.hidden_size, shard.vocab_per_rank, bias=False) if shard.last_stage
+                        else None)
+        self.hidden_dtype = torch.float32  # the compute dtype: what a later stage receives (from_pretrained)
         self.tie_weights()
         self.rotary: Optional[RotaryEmbedding] = None  # set by from_pretrained (needs a device)
         self.weights_loaded: Optional[WeightsLoaded] = None  # set by from_pretrained
@@ -417,8 +447,20 @@ class CausalLM(nn.Module):
         self.checkpoint_kv_scales: dict[str, torch.Tensor] = {}
 
     def tie_weights(self) -> None:
-        if self.args.tie_word_embeddings:
+        # A last stage without the embedding reads the embedding table into its own head.
+        if self.args.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        shard = self.shard
+        if not shard.sharded:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: ids of other ranks' rows give zero rows here; the sum has each row once.
+        local = input_ids - shard.vocab_start
+        outside = (local < 0) | (local >= shard.vocab_per_rank)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        x.masked_fill_(outside[:, None], 0)
+        return self.parallel.all_reduce(x)
 
     @torch.inference_mode()
     def forward(
@@ -429,22 +471,38 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N] int64: rows of the batch that get logits
         argmax_only: bool = False,
-    ) -> torch.Tensor:
+    ) -> Optional[torch.Tensor]:
         """Logits [N, vocab] float32 of `logits_indices`. With `argmax_only` (the caller needs
         only each row's argmax) it may return those token ids instead, int64 [N], when the LM
-        head makes them without logits (a CPU panel head: PrepackedLinear.argmax)."""
-        x = self.embed_tokens(input_ids)
+        head makes them without logits (a CPU panel head: PrepackedLinear.argmax).
+
+        `kv_caches` are this stage's layers'. A stage before the last sends its hidden states
+        to the next stage and returns None; every tensor rank of the last stage returns the
+        same full-vocabulary logits."""
+        if self.shard.first_stage:
+            x = self._embed(input_ids)
+        else:
+            x = self.parallel.recv_from_previous_stage((input_ids.shape[0], self.args.hidden_size),
+                                                       self.hidden_dtype)
         cos, sin = self.rotary.cos_sin(positions, meta.all_seq_lens, meta.all_query_lens, x.dtype)
         sin_signed = signed_sin(sin)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin_signed, kv_cache, meta)
+        if not self.shard.last_stage:
+            self.parallel.send_to_next_stage(x)
+            return None
         # Norm and LM head only where a token is sampled: the head is the largest matmul.
         x = self.norm(x[logits_indices])
-        if argmax_only and hasattr(self.lm_head, "argmax"):
-            tokens = self.lm_head.argmax(x)
-            if tokens is not None:
-                return tokens
-        return self.lm_head(x).float()
+        if not self.shard.sharded:
+            if argmax_only and hasattr(self.lm_head, "argmax"):
+                tokens = self.lm_head.argmax(x)
+                if tokens is not None:
+                    return tokens
+            return self.lm_head(x).float()
+        if x.shape[0] == 0:  # the same on every rank: no rows, nothing to gather
+            return torch.empty((0, self.args.vocab_size), dtype=torch.float32, device=x.device)
+        logits = self.parallel.all_gather_last_dim(self.lm_head(x))
+        return logits[:, : self.args.vocab_size].float()
 
     # ---- loading
 
@@ -457,18 +515,21 @@ class CausalLM(nn.Module):
         *,
         weight_dtype: Optional[torch.dtype] = None,
         prepack: bool = True,
+        parallel: Optional[ParallelState] = None,
     ) -> "CausalLM":
         """`dtype` is the compute dtype. `weight_dtype` (default: `dtype`) is the model's own
         dtype: weights are rounded to it first, so a bf16 model computed in float32 on the CPU
         (runtime/executor/cpu_dense.py) keeps bf16 weights. `prepack`: on the CPU, large linears run
-        through oneDNN with prepacked weights (`prepack_linears`)."""
+        through oneDNN with prepacked weights (`prepack_linears`). `parallel`: this rank's share
+        only (the class doc)."""
         device = torch.device(device)
         hf_config = load_hf_config(path)
         args = model_args_from_hf(hf_config)
         # Built on the meta device: no time spent on random init that the weights overwrite.
         with torch.device("meta"):
-            model = cls(args)
+            model = cls(args, parallel)
         model = model.to_empty(device=device).to(dtype)
+        model.hidden_dtype = dtype
         model.tie_weights()
         model.rotary = RotaryEmbedding(hf_config, args.head_dim, args.max_position_embeddings, device)
         model.weights_loaded = model.load_weights(path)
@@ -507,7 +568,8 @@ class CausalLM(nn.Module):
         weight, but for small float32 ones (kept for the batch sizes MKL multiplies faster);
         the LM head keeps it (the tied embedding)."""
         support = detect_cpu_matmul_support()
-        self.lm_head = prepack_linear(self.lm_head, support=support)
+        if self.lm_head is not None:
+            self.lm_head = prepack_linear(self.lm_head, support=support)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj = prepack_linear(attn.qkv_proj, keep_dense=False, support=support)
@@ -518,7 +580,7 @@ class CausalLM(nn.Module):
     def panel_step_rows(self) -> Optional[range]:
         """The token counts of a forward pass whose every product is a panel product (each
         linear prepacked with panels for those rows), or None where some linear has none."""
-        linears = [self.lm_head]
+        linears = [self.lm_head] if self.lm_head is not None else []
         for layer in self.layers:
             linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                         layer.mlp.down_proj]
@@ -534,8 +596,9 @@ class CausalLM(nn.Module):
     def load_weights(self, path: str | Path) -> "WeightsLoaded":
         """Read the checkpoint's safetensors files into the parameters. safetensors maps each
         file (copy-on-write); a weight the model keeps as stored (same dtype, not fused into
-        qkv_proj/gate_up_proj) on the CPU becomes a view of that map instead of a copy, so its
-        pages come from the page cache when first touched."""
+        qkv_proj/gate_up_proj, not sliced) on the CPU becomes a view of that map instead of a
+        copy, so its pages come from the page cache when first touched. A tensor-parallel rank
+        reads only its slices (`safe_open(...).get_slice`), a pipeline stage only its layers."""
         from safetensors import safe_open
 
         folder = Path(path)
@@ -551,47 +614,102 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         self.checkpoint_kv_scales = {}
-        fused = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
-        a = self.args
-        qkv_sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        mlp_sizes = [a.intermediate_size, a.intermediate_size]
+        a, s = self.args, self.shard
+        hd = a.head_dim
+        q_rows = (s.head_start * hd, (s.head_start + s.num_heads) * hd)
+        kv_rows = (s.kv_head_start * hd, (s.kv_head_start + s.num_kv_heads) * hd)
+        mlp_rows = (s.intermediate_start, s.intermediate_start + s.intermediate_size)
+        # Fused targets: (index, rows of the checkpoint's tensor this rank reads).
+        fused = {"q_proj": (0, q_rows), "k_proj": (1, kv_rows), "v_proj": (2, kv_rows),
+                 "gate_proj": (0, mlp_rows), "up_proj": (1, mlp_rows)}
+        # Row-parallel inputs: the columns of the checkpoint's weight this rank reads.
+        row_parallel = {"o_proj": q_rows, "down_proj": mlp_rows}
+        local = self.local_args
+        qkv_sizes = [local.num_heads * hd, local.num_kv_heads * hd, local.num_kv_heads * hd]
+        mlp_sizes = [local.intermediate_size, local.intermediate_size]
+        vocab_rows = (s.vocab_start, s.vocab_start + s.vocab_rows)
+        if s.sharded:  # padding rows of the vocabulary (and a head's rows past it) stay zero
+            for table in (self.embed_tokens, self.lm_head):
+                if table is not None:
+                    table.weight.data.zero_()
         read_bytes = mapped_bytes = 0
         for file in files:
             with safe_open(str(file), framework="pt") as f:
+
+                def read(name: str, rows=None, cols=None) -> torch.Tensor:
+                    if not s.sharded or (rows is None and cols is None):
+                        return f.get_tensor(name)
+                    part = f.get_slice(name)
+                    return part[rows[0]: rows[1]] if cols is None else part[:, cols[0]: cols[1]]
+
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
-                    read_bytes += tensor.nbytes
                     key = name[len("model."):] if name.startswith("model.") else name
                     if "rotary_emb" in key:
                         continue
                     if kv_scale_kind(key) is not None:  # an fp8 KV cache's scale (kv_cache_scales)
+                        tensor = f.get_tensor(name)
+                        read_bytes += tensor.nbytes
                         self.checkpoint_kv_scales[name] = tensor
                         continue
                     parts = key.split(".")
+                    if parts[0] == "layers" and len(parts) > 2 and parts[1].isdigit():
+                        if int(parts[1]) >= a.num_layers:
+                            raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                        at = s.local_layer(int(parts[1]))
+                        if at is None:
+                            continue  # another stage's layer: not read
+                        key = ".".join(["layers", str(at)] + parts[2:])
+                    elif key == "embed_tokens.weight":
+                        if self.embed_tokens is None:
+                            if self.lm_head is None or not a.tie_word_embeddings:
+                                continue  # a middle stage, or a last stage with its own head
+                            key = "lm_head.weight"  # a last stage's tied head
+                    elif key.startswith(("norm.", "lm_head.")) and self.lm_head is None:
+                        continue  # the last stage's
                     proj = parts[-2] if len(parts) >= 2 else ""
                     if proj in fused:
                         is_attn = proj in ("q_proj", "k_proj", "v_proj")
                         target = key.replace(proj, "qkv_proj" if is_attn else "gate_up_proj")
                         sizes = qkv_sizes if is_attn else mlp_sizes
-                        idx = fused[proj]
+                        idx, rows = fused[proj]
                         offset = sum(sizes[:idx])
                         param = params.get(target)
                         if param is None:
                             raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                        param.data[offset : offset + sizes[idx]].copy_(tensor)
+                        tensor = read(name, rows=rows)
+                        read_bytes += tensor.nbytes
+                        dest = param.data[offset: offset + sizes[idx]]
+                        if dest.shape != tensor.shape:
+                            raise ValueError(f"weight {name!r} does not match the model's shape: "
+                                             f"{tuple(tensor.shape)} for {tuple(dest.shape)}")
+                        dest.copy_(tensor)
                         loaded.add(f"{target}#{idx}")
                         continue
                     param = params.get(key)
                     if param is None:
                         raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                    if (param.device.type == "cpu" and tensor.dtype == param.dtype
+                    rows = cols = None
+                    dest = param.data
+                    if proj in row_parallel and parts[-1] == "bias":
+                        if s.tp_rank != 0:  # added once: by tensor rank 0 before the all-reduce
+                            param.data.zero_()
+                            loaded.add(key)
+                            continue
+                    elif proj in row_parallel:
+                        cols = row_parallel[proj]
+                    elif key in ("embed_tokens.weight", "lm_head.weight") and s.sharded:
+                        rows, dest = vocab_rows, param.data[: s.vocab_rows]
+                    tensor = read(name, rows=rows, cols=cols)
+                    read_bytes += tensor.nbytes
+                    if dest.shape != tensor.shape:
+                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(dest.shape)}")
+                    if (rows is None and cols is None and param.device.type == "cpu" and tensor.dtype == param.dtype
                             and tensor.data_ptr() % tensor.element_size() == 0):
                         param.data = tensor  # the file's map itself (the map lives as long as the tensor)
                         mapped_bytes += tensor.nbytes
                     else:
-                        param.data.copy_(tensor)
+                        dest.copy_(tensor)
                     loaded.add(key)
         missing = []
         for pname, param in self.named_parameters():
@@ -601,8 +719,6 @@ class CausalLM(nn.Module):
                 missing += [f"{pname}#{i}" for i in range(2) if f"{pname}#{i}" not in loaded]
             elif pname not in loaded and not (pname == "lm_head.weight" and self.args.tie_word_embeddings):
                 missing.append(pname)
-        if self.args.tie_word_embeddings and "lm_head.weight" in loaded:
-            pass  # a checkpoint may store the tied head too; it is the same tensor
         if missing:
             raise ValueError(f"checkpoint {str(folder)!r} is missing weights: {missing[:8]}")
         return WeightsLoaded(files=len(files), bytes=read_bytes, mapped_bytes=mapped_bytes)

@@ -18,6 +18,9 @@ kernels/lora.py multiplies: q/k/v share one stacked A (the model computes them i
 `make_resident` copies the adapters of the step's requests that are not resident into a free
 slot, else into the least recently used slot that this step does not use.
 
+Under tensor/pipeline parallel each rank's slots hold its share only (runtime/executor/sharding.py,
+`lora_shard`): its stage's layers, and each module cut like the base projection.
+
 `scaling` is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`, per module
 where `rank_pattern` / `alpha_pattern` give a module its own rank or alpha.
 """
@@ -34,6 +37,7 @@ from typing import Optional
 import torch
 
 from tokenlane.kernels.lora import LoraSegments, add_lora
+from tokenlane.runtime.executor.sharding import ShardPlan, lora_shard
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The model's projections and the PEFT modules each computes (in column order of its output).
@@ -214,8 +218,10 @@ class LoraProjection:
         outs = out.split(self.widths, dim=1) if len(self.widths) > 1 else (out,)
         add_lora(outs, x, self.lora_a, self.lora_b, self.scaling, segments, backend, check=False)
 
-    def load(self, slot: int, adapter: HostAdapter, layer: int, rank: int) -> None:
-        """Slot `slot` := the adapter's weights of this layer, stacked by `rank` (zero elsewhere)."""
+    def load(self, slot: int, adapter: HostAdapter, layer: int, rank: int,
+             shard: Optional[tuple[ShardPlan, int]] = None) -> None:
+        """Slot `slot` := the adapter's weights of (global) layer `layer`, stacked by `rank`
+        (zero elsewhere); `shard` = (this rank's ShardPlan, head_dim) cuts them to its share."""
         self.lora_a[slot].zero_()
         self.scaling[slot].zero_()
         for g, module in enumerate(self.modules):
@@ -223,7 +229,7 @@ class LoraProjection:
             pair = adapter.weights.get((layer, module))
             if pair is None:
                 continue
-            a, b = pair
+            a, b = pair if shard is None else lora_shard(module, *pair, *shard)
             r = a.shape[0]
             self.lora_a[slot, g * rank : g * rank + r].copy_(a)
             self.lora_b[g][slot, :r].copy_(b.T)
@@ -231,13 +237,20 @@ class LoraProjection:
 
 
 class LoraSlots:
-    """`num_slots` resident adapters of up to `max_rank`, for every layer and projection."""
+    """`num_slots` resident adapters of up to `max_rank`, for every layer and projection.
 
-    def __init__(self, args, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+    `args` are the modules' shapes: with `shard` (a tensor/pipeline-parallel rank), this rank's
+    (sharding.local_args), its layers the stage's from `shard.layer_start`."""
+
+    def __init__(self, args, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 shard: Optional[ShardPlan] = None):
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"LoRA slots need engine.maxLoras >= 1 and engine.maxLoraRank >= 1, "
                              f"got {num_slots} and {max_rank}")
         self.num_slots, self.max_rank, self.device = num_slots, max_rank, torch.device(device)
+        self.shard = shard
+        self.layer_start = shard.layer_start if shard is not None else 0
+        self._cut = (shard, args.head_dim) if shard is not None and shard.sharded else None
         shapes = module_shapes(args)
         self.layers: list[dict[str, LoraProjection]] = []
         for _ in range(args.num_layers):
@@ -290,7 +303,7 @@ class LoraSlots:
         rank = adapter.info.rank
         for layer, projections in enumerate(self.layers):
             for projection in projections.values():
-                projection.load(slot, adapter, layer, rank)
+                projection.load(slot, adapter, self.layer_start + layer, rank, self._cut)
         self.resident[slot], self.ranks[slot] = adapter.info.name, rank
         self.loads += 1
 

@@ -13,6 +13,12 @@ LoRA adapters (runtime/executor/lora.py): `add_adapter` / `remove_adapter` / `ad
 keep checked PEFT adapters in host memory; each step makes the adapters of its requests
 resident in the slot table (engine.maxLoras slots, reserved before the KV pool is sized), and
 the model adds their deltas to the rows of their requests in the same forward pass.
+
+Tensor/pipeline parallel (`parallel`, runtime/executor/parallel_state.py): every rank builds its
+own executor over its share of the model (runtime/executor/sharding.py) and runs every step's
+plan. The KV pool holds this rank's KV heads of this stage's layers, with the same block count
+on every rank (the minimum over ranks), so block ids mean the same everywhere. Only the output
+rank samples and computes logprobs; the other ranks return an ExecutorOutput without tokens.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.executor.cpu_dense import select_compute_dtype
 from tokenlane.runtime.executor.cpu_placement import bind_compute_threads, placement_for
 from tokenlane.runtime.executor.cuda_graphs import make_decode_runner
-from tokenlane.runtime.executor.kv_host_pool import make_host_pool
+from tokenlane.runtime.executor.kv_host_pool import HostKVPool, host_available_bytes, host_pool_slots, make_host_pool
 from tokenlane.runtime.executor.lora import AdapterInfo, HostAdapter, LoraSlots, load_peft_adapter
+from tokenlane.runtime.executor.parallel_state import ParallelState, single_process
 from tokenlane.runtime.executor.llama import AttentionMetadata, CausalLM, kv_cache_bytes_per_block, kv_cache_scales
 from tokenlane.runtime.core.startup import StartupPhase
 from tokenlane.runtime.core.step_plan import ExecutorOutput, ScheduledChunk, StepPlan
@@ -195,9 +202,12 @@ class ModelExecutor:
 
     supports_logprobs = True
 
-    def __init__(self, config: RuntimeConfig):
+    def __init__(self, config: RuntimeConfig, parallel: Optional[ParallelState] = None):
         self.config = config
         self.device = select_device(config.engine.device)
+        # This rank's place in a tensor/pipeline-parallel group (runtime/executor/parallel_state.py);
+        # a lone process when not given.
+        self.parallel = parallel if parallel is not None else single_process(self.device)
         self.dtype = select_dtype(config.model.dtype, self.device)
         self.block_size = config.engine.block_size
         self.backend = resolve_backend(config.engine.attention_backend, self.device)
@@ -217,8 +227,13 @@ class ModelExecutor:
         self.compute_dtype = select_compute_dtype(config.engine.cpu_compute_dtype, self.dtype, self.device)
         started = time.perf_counter()
         self.model = CausalLM.from_pretrained(
-            model_path, dtype=self.compute_dtype, device=self.device, weight_dtype=self.dtype
+            model_path, dtype=self.compute_dtype, device=self.device, weight_dtype=self.dtype,
+            parallel=self.parallel,
         )
+        # This rank's share: its heads, MLP columns and the stage's layers (the KV pool's shape).
+        self.shard = self.model.shard
+        self.local_args = self.model.local_args
+        self.is_output_rank = self.parallel.layout.is_output_rank
         # Start-up phases (runtime/core/startup.py), each logged once done.
         self.startup_phases: list[StartupPhase] = []
         self._startup_phase("load", started, self._load_detail())
@@ -258,18 +273,21 @@ class ModelExecutor:
         self.kv_scales_source = "none"
         if is_fp8(self.kv_dtype):
             self.kv_scales = kv_cache_scales(self.model.checkpoint_kv_scales, self.args.num_layers)
+            if self.kv_scales is not None:
+                self.kv_scales = self.kv_scales[self.shard.layer_start: self.shard.layer_end]
             self.kv_scales_source = "checkpoint"
             if self.kv_scales is None:
                 self.kv_scales, self.kv_scales_source = self._calibrate_kv_scales(), "calibrated"
             self.model.set_kv_cache_scales(self.kv_scales)
-        self.num_kv_blocks = self._pool_size()
-        shape = (self.num_kv_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        # The same count on every rank: the scheduler's block ids index every rank's pool.
+        self.num_kv_blocks = self.parallel.min_over_ranks(self._pool_size())
+        shape = (self.num_kv_blocks, self.block_size, self.local_args.num_kv_heads, self.args.head_dim)
         self.kv_caches = [
             (kv_cache_tensor(shape, self.kv_dtype, self.device),
              kv_cache_tensor(shape, self.kv_dtype, self.device))
-            for _ in range(self.args.num_layers)
+            for _ in range(self.local_args.num_layers)
         ]
-        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.kv_dtype)
+        per_block = kv_cache_bytes_per_block(self.local_args, self.block_size, self.kv_dtype)
         log.info("KV cache: %d blocks of %d tokens, %s (%d bytes per block, %.2f GiB)%s",
                  self.num_kv_blocks, self.block_size, config.engine.kv_cache_dtype if is_fp8(self.kv_dtype)
                  else str(self.kv_dtype).removeprefix("torch."), per_block,
@@ -280,8 +298,14 @@ class ModelExecutor:
         self._startup_phase("kv", started, self._kv_detail())
         # engine.kvOffload: the prefix cache's host tier, a second pool in host memory
         # (runtime/executor/kv_host_pool.py); refused at start if the host cannot hold it.
-        self.kv_bytes_per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.kv_dtype)
-        self.host_pool = make_host_pool(config.engine.kv_offload, self.kv_caches, self.kv_bytes_per_block, self.device)
+        self.kv_bytes_per_block = kv_cache_bytes_per_block(self.local_args, self.block_size, self.kv_dtype)
+        offload = config.engine.kv_offload
+        if offload is not None and self.parallel.distributed:  # equal slot counts on every rank too
+            slots = host_pool_slots(offload.host_bytes, self.kv_bytes_per_block, host_available_bytes())
+            self.host_pool = HostKVPool(self.kv_caches, self.parallel.min_over_ranks(slots), self.device)
+            log.info("KV host tier: %d blocks (%.2f GiB)", self.host_pool.num_slots, self.host_pool.nbytes / 2**30)
+        else:
+            self.host_pool = make_host_pool(offload, self.kv_caches, self.kv_bytes_per_block, self.device)
         self.num_host_kv_blocks = self.host_pool.num_slots if self.host_pool is not None else 0
         self.sampler = Sampler(self.device, seed=config.engine.seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -290,13 +314,19 @@ class ModelExecutor:
         # SDPA where the attention kernels do not take them (the torch path, and head sizes the
         # native prefill kernel lacks), so they come last and skip the block tables.
         through_cache = fresh_prefill_through_cache(self.backend, self.device, self.args.head_dim,
-                                                    self.args.num_heads // self.args.num_kv_heads)
+                                                    self.local_args.num_heads // self.local_args.num_kv_heads)
         self.inputs = BatchInputBuilder(self.block_size, self.max_model_len, self.device, self.backend,
                                         sdpa_fresh_prefill=not through_cache)
         # engine.cudaGraphs: decode steps replay graphs recorded here (runtime/executor/cuda_graphs.py).
         started = time.perf_counter()
+        cuda_graphs = config.engine.cuda_graphs
+        if cuda_graphs and self.parallel.distributed:
+            # The graphs would record the collectives of one rank's stream; not supported yet.
+            log.warning("engine.cudaGraphs is off with %d ranks (tensor/pipeline parallel): decode steps run eager",
+                        self.parallel.layout.world_size)
+            cuda_graphs = False
         self.decode_runner = make_decode_runner(
-            config.engine.cuda_graphs, self.model, self.kv_caches, block_size=self.block_size,
+            cuda_graphs, self.model, self.kv_caches, block_size=self.block_size,
             max_model_len=self.max_model_len, max_batch=config.engine.cuda_graph_max_batch,
             backend=self.backend, device=self.device,
         )
@@ -316,10 +346,16 @@ class ModelExecutor:
         detail = (f"{loaded.bytes / 2**20:.1f} MiB from {loaded.files} safetensors file"
                   f"{'s' if loaded.files != 1 else ''}, memory-mapped; "
                   f"{loaded.mapped_bytes / 2**20:.1f} MiB used in place, the rest copied")
+        layout = self.parallel.layout
+        if layout.world_size > 1:
+            shard = self.shard
+            detail = (f"rank {layout.rank} of {layout.world_size} (tensor rank {layout.tp_rank} of {layout.tp}, "
+                      f"stage {layout.pp_rank} of {layout.pp}, layers {shard.layer_start}..{shard.layer_end - 1}): "
+                      f"{loaded.bytes} bytes read by this rank; {detail}")
         return f"{detail}; {self.device.type}, {str(self.compute_dtype).removeprefix('torch.')}"
 
     def _kv_detail(self) -> str:
-        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.kv_dtype)
+        per_block = kv_cache_bytes_per_block(self.local_args, self.block_size, self.kv_dtype)
         sized = ("engine.kvCacheBlocks" if self.config.engine.kv_cache_blocks
                  else "a profiling forward pass" if self.device.type == "cuda" else "engine.cpuKvCacheGib")
         return (f"{self.num_kv_blocks} blocks of {self.block_size} tokens, "
@@ -336,7 +372,7 @@ class ModelExecutor:
 
     def _pool_size(self) -> int:
         engine = self.config.engine
-        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.kv_dtype)
+        per_block = kv_cache_bytes_per_block(self.local_args, self.block_size, self.kv_dtype)
         if engine.kv_cache_blocks:
             return engine.kv_cache_blocks
         if self.device.type == "cuda":
@@ -364,9 +400,12 @@ class ModelExecutor:
         caches, pos, meta = self._one_sequence_pass(tokens, self.compute_dtype)
         self.model(ids, pos, caches, meta, torch.zeros(0, dtype=torch.long, device=self.device))
         fmax = torch.finfo(self.kv_dtype).max
+        # Over all KV heads of the layer (a MAX over the tensor ranks): each rank stores its
+        # own heads with the scales a single process would use.
+        amaxes = self.parallel.max_over_tensor_ranks(
+            torch.stack([torch.stack([k.abs().max(), v.abs().max()]).float() for k, v in caches]))
         scales = []
-        for key_cache, value_cache in caches:
-            amax = torch.stack([key_cache.abs().max(), value_cache.abs().max()]).float().tolist()
+        for amax in amaxes.tolist():
             # A layer whose K or V are all zero (cannot happen with real weights) keeps scale 1.
             scales.append(tuple(a * FP8_SCALE_HEADROOM / fmax if a > 0 else 1.0 for a in amax))
         return scales
@@ -375,10 +414,10 @@ class ModelExecutor:
         """A scratch cache and the metadata of one fresh sequence of `tokens` tokens in a single
         chunk (for the start-up passes: fp8 calibration, activation profiling)."""
         n_blocks = -(-tokens // self.block_size)
-        shape = (n_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        shape = (n_blocks, self.block_size, self.local_args.num_kv_heads, self.args.head_dim)
         caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
                    torch.zeros(shape, dtype=cache_dtype, device=self.device))
-                  for _ in range(self.args.num_layers)]
+                  for _ in range(self.local_args.num_layers)]
         pos = torch.arange(tokens, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=pos.clone(),
@@ -476,7 +515,10 @@ class ModelExecutor:
         engine, model = self.config.engine, self.config.model
         if engine.max_loras is None and not model.adapters:
             return None
-        slots = LoraSlots(self.args, engine.lora_slots, engine.lora_max_rank, self.compute_dtype, self.device)
+        # Every rank's slots hold its share of each adapter (runtime/executor/sharding.py, lora_shard);
+        # adapters are checked against the whole model's shapes (add_adapter).
+        slots = LoraSlots(self.local_args, engine.lora_slots, engine.lora_max_rank, self.compute_dtype, self.device,
+                          shard=self.shard)
         self.model.attach_lora(slots)
         log.info("LoRA: %d adapter slots of rank up to %d, %.1f MiB", slots.num_slots, slots.max_rank,
                  slots.nbytes / 2**20)
@@ -538,10 +580,11 @@ class ModelExecutor:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
-    def _forward(self, input_ids, positions, meta, logits_indices, argmax_only: bool = False) -> torch.Tensor:
+    def _forward(self, input_ids, positions, meta, logits_indices, argmax_only: bool = False) -> Optional[torch.Tensor]:
         """The model's logits of `logits_indices` (or, with `argmax_only`, possibly their
-        argmax token ids: see Transformer.forward); a decode batch the decode runner (CUDA
-        graphs) can take replays its graph instead of running eager."""
+        argmax token ids: see CausalLM.forward; None on a pipeline stage before the last); a
+        decode batch the decode runner (CUDA graphs) can take replays its graph instead of
+        running eager."""
         runner = self.decode_runner
         # A step with adapter rows runs eager: the graphs are recorded without LoRA deltas.
         if runner is not None and meta.lora is None and runner.can_run(input_ids.shape[0], meta, logits_indices.shape[0]):
@@ -570,9 +613,12 @@ class ModelExecutor:
         # One forward pass: logits of the sampling rows first, then the prompt-logprob rows.
         # When every row is greedy and nothing else reads the logits, the LM head may hand
         # back the tokens instead (on the CPU: no [rows, vocab] logits written, then read).
+        # Every rank runs it (a tensor-parallel LM head gathers logits); one rank samples.
         greedy = not prompt_rows and all(argmax_only(c.request.sampling_params) for c in sampled_chunks)
         with step_threads:
             logits = self._forward(input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev), greedy)
+        if logits is None or not self.is_output_rank:  # an earlier stage, or a tensor rank that does not sample
+            return
         if logits.dtype == torch.int64:
             for c, token in zip(sampled_chunks, logits.tolist()):
                 output.sampled[c.request.request_id] = token

@@ -46,10 +46,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tokenlane import kube
 from tokenlane.runtime.config import ConfigError, RuntimeConfig, load_config
 from tokenlane.runtime.fleet.pick import (DEFAULT_HOLD_QUEUE_SIZE, DEFAULT_HOLD_TIMEOUT_S, NO_HEALTHY_RETRY_AFTER_S,
                                           PickPolicy, Refusal, affinity_key, estimate_prompt_tokens, pick)
-from tokenlane.runtime.fleet.discovery import ApiAccess, EndpointSliceWatcher, in_cluster_namespace
+from tokenlane.runtime.fleet.discovery import EndpointSliceWatcher
 from tokenlane.runtime.fleet.state import RETRY, BackendSet, Fleet, RouterMetrics
 from tokenlane.runtime.entrypoints.http_errors import api_error_response, error_response
 from tokenlane.runtime.entrypoints.protocol import APIError
@@ -445,10 +446,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         backends = BackendSet(args.backend)
         if args.endpointslice_service:
-            namespace = args.namespace or in_cluster_namespace()
+            namespace = args.namespace or kube.in_cluster_namespace()
             if not namespace:
                 raise ValueError("--endpointslice-service needs --namespace outside a Kubernetes pod")
-            discovery = EndpointSliceWatcher(ApiAccess.in_cluster(), namespace, args.endpointslice_service, backends)
+            discovery = EndpointSliceWatcher(kube.in_cluster(), namespace, args.endpointslice_service, backends)
         options = RouterOptions(
             scrape_interval_s=args.scrape_interval_ms / 1000.0,
             stale_after_s=None if args.stale_after_ms is None else args.stale_after_ms / 1000.0,

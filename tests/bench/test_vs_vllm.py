@@ -143,3 +143,21 @@ def test_needs_exactly_one_peer(capsys):
         vs_vllm.main(["--pairs", "1"])
     assert exc.value.code == 2
     assert "exactly one of --vllm-python and --peer-command" in capsys.readouterr().err
+
+
+def test_qwen2_shape_writes_qkv_bias_tied_embeddings_and_head_dim_32(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    # The shape as the script uses it, with a small vocabulary so the tokenizer trains quickly.
+    monkeypatch.setitem(vs_vllm.MODEL_SHAPES, "qwen2", {**vs_vllm.MODEL_SHAPES["qwen2"], "vocab_size": 1024})
+    model = vs_vllm.make_bench_model(tmp_path / "model-qwen2", "qwen2")
+    config = json.loads((model / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["tie_word_embeddings"] is True
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (6, 2)
+    assert config["hidden_size"] // config["num_attention_heads"] == 32
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"} <= names
+    assert not any(name.startswith("lm_head") for name in names)
+    with pytest.raises(ValueError, match="shape must be one of"):
+        vs_vllm.make_bench_model(tmp_path / "other", "mistral")

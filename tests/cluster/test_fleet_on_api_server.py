@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))
 from test_scaling import AUTOSCALING_INVALID  # noqa: E402  (tests/operator: the offline CEL cases)
 
 from tokenlane.bench.serve_proc import free_port  # noqa: E402
-from tokenlane.runtime.fleet.discovery import ApiAccess, EndpointSliceWatcher  # noqa: E402
+from tokenlane import kube  # noqa: E402
+from tokenlane.runtime.fleet.discovery import EndpointSliceWatcher  # noqa: E402
 from tokenlane.runtime.fleet.router import RouterOptions, create_router_app  # noqa: E402
 from tokenlane.runtime.fleet.state import BackendSet  # noqa: E402
 
@@ -128,15 +129,24 @@ def tiny_model_service(**spec) -> dict:
     return doc
 
 
-def api_access(cluster: Cluster, token: str, workdir: Path) -> ApiAccess:
+def api_access(cluster: Cluster, token: str, workdir: Path) -> kube.Credentials:
+    """The router's credentials in its pod: the API server, its CA and the ServiceAccount's token
+    in files (what the kubelet mounts), read through tokenlane.kube.in_cluster."""
     config = json.loads(cluster.kubectl("config", "view", "--raw", "--minify", "-o", "json").stdout)
     server = config["clusters"][0]["cluster"]
-    ca = workdir / "ca.crt"
+    mount = workdir / "serviceaccount"
+    mount.mkdir(exist_ok=True)
     if "certificate-authority-data" in server:
-        ca.write_bytes(base64.b64decode(server["certificate-authority-data"]))
+        (mount / "ca.crt").write_bytes(base64.b64decode(server["certificate-authority-data"]))
     else:
-        ca = Path(server["certificate-authority"])
-    return ApiAccess(server["server"], ca_file=ca, token=token)
+        (mount / "ca.crt").write_bytes(Path(server["certificate-authority"]).read_bytes())
+    (mount / "token").write_text(token)
+    (mount / "namespace").write_text(WORKLOAD_NS)
+    url = urlparse(server["server"])
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KUBERNETES_SERVICE_HOST", url.hostname)
+        env.setenv("KUBERNETES_SERVICE_PORT", str(url.port or 443))
+        return kube.in_cluster(mount)
 
 
 def endpoint_slice(name: str, service: str, addresses: dict[str, bool]) -> dict:

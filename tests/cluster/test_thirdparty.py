@@ -18,6 +18,7 @@ operator running cluster-wide elsewhere in the session cannot race the assertion
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import sys
@@ -29,6 +30,9 @@ import pytest
 import yaml
 
 from cluster_harness import ROOT, SHARED_K8S, Cluster, kustomize, run, wait_for
+
+from tokenlane import kube
+from tokenlane.kube.credentials import kubeconfig_paths
 
 THIRDPARTY = SHARED_K8S / "thirdparty-crds"
 CRD_OF = {  # kind -> CRD name
@@ -287,22 +291,30 @@ PLURAL = {"ModelService": "modelservices", "ServingLane": "servinglanes"}
 
 
 class Objects:
-    """ModelService / ServingLane objects through the Kubernetes Python client (one request
-    each, no kubectl start-up): every method returns the object as the server stored it."""
+    """ModelService / ServingLane objects through tokenlane.kube (one request each, no kubectl
+    start-up): every method returns the object as the server stored it."""
 
     def __init__(self, cluster: Cluster, namespace: str):
-        import kubernetes
-
-        self.kubernetes = kubernetes
-        self.api = kubernetes.client.CustomObjectsApi(
-            kubernetes.config.new_client_from_config(config_file=cluster.kubeconfig))
+        self.credentials = kube.load_kubeconfig(kubeconfig_paths(cluster.kubeconfig))
         self.namespace = namespace
 
-    def _args(self, kind: str) -> tuple:
-        return "tokenlane.dev", "v1alpha1", self.namespace, PLURAL[kind]
+    def _call(self, method: str, *args) -> dict:
+        async def call() -> dict:
+            api = kube.KubeApi(self.credentials, field_manager="tokenlane-tests")
+            try:
+                return await getattr(api, method)(*args)
+            finally:
+                await api.close()
+
+        return asyncio.run(call())
+
+    @staticmethod
+    def _resource(kind: str) -> kube.Resource:
+        return kube.Resource("tokenlane.dev", "v1alpha1", PLURAL[kind], kind)
 
     def create(self, body: dict) -> dict:
-        return self.api.create_namespaced_custom_object(*self._args(body["kind"]), body)
+        body = {**body, "metadata": {**body["metadata"], "namespace": self.namespace}}
+        return self._call("create", self._resource(body["kind"]), body)
 
     def write_status(self, obj: dict, wanted: dict) -> dict:
         """The operator's write (handlers._write_status): a merge patch of the status keys that
@@ -310,19 +322,16 @@ class Objects:
         from tokenlane.operator.desired import status
 
         patch = status.status_patch(obj.get("status") or {}, wanted, tuple(obj.get("status") or {}))
-        return self.api.patch_namespaced_custom_object_status(
-            *self._args(obj["kind"]), obj["metadata"]["name"], {"status": patch or {}},
-            _content_type="application/merge-patch+json")
+        return self._call("merge_patch", self._resource(obj["kind"]), self.namespace, obj["metadata"]["name"],
+                          {"status": patch or {}}, "status")
 
     def patch_spec(self, obj: dict, spec: dict) -> dict:
-        return self.api.patch_namespaced_custom_object(
-            *self._args(obj["kind"]), obj["metadata"]["name"], {"spec": spec},
-            _content_type="application/merge-patch+json")
+        return self._call("merge_patch", self._resource(obj["kind"]), self.namespace, obj["metadata"]["name"],
+                          {"spec": spec})
 
 
 @pytest.fixture(scope="module")
 def objects(crds: Cluster, own_ns: str) -> Objects:
-    pytest.importorskip("kubernetes", reason="the kubernetes client writes status subresources")
     return Objects(crds, own_ns)
 
 

@@ -1,11 +1,13 @@
 """EndpointSlice discovery, pure parts: which endpoints are replicas, and the router's flags.
-The watch itself runs against a real API server in tests/cluster/test_fleet_on_api_server.py."""
+The watch itself runs against a real API server in tests/cluster/test_fleet_on_api_server.py;
+the service account's credentials are tested over HTTPS in tests/kube/test_credentials.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenlane.runtime.fleet.discovery import ApiAccess, in_cluster_namespace, ready_backends
+from tokenlane import kube
+from tokenlane.runtime.fleet.discovery import ready_backends
 from tokenlane.runtime.fleet.router import main
 
 
@@ -39,21 +41,20 @@ def test_the_http_port_is_used_and_ipv6_is_bracketed():
     assert ready_backends([endpoint_slice([])]) == [] and ready_backends([{"ports": None}]) == []
 
 
-def test_in_cluster_access_reads_the_service_account(tmp_path, monkeypatch):
+async def test_in_cluster_access_reads_the_service_account(tmp_path, monkeypatch):
     (tmp_path / "token").write_text("t0ken\n")
     (tmp_path / "namespace").write_text("team-a")
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
-    access = ApiAccess.in_cluster(tmp_path)
-    assert access.server == "https://10.96.0.1:6443"
-    assert access.headers() == {"Authorization": "Bearer t0ken"}
-    (tmp_path / "token").write_text("rotated")  # projected tokens rotate: read at each connect
-    assert access.headers() == {"Authorization": "Bearer rotated"}
-    assert access.ca_file == tmp_path / "ca.crt"
-    assert in_cluster_namespace(tmp_path) == "team-a" and in_cluster_namespace(tmp_path / "none") is None
+    creds = kube.in_cluster(tmp_path)
+    assert (creds.server, creds.namespace, creds.ca_file) == ("https://10.96.0.1:6443", "team-a", None)
+    assert await kube.Authenticator(creds).authorization() == "Bearer t0ken"
+    assert kube.in_cluster_namespace(tmp_path) == "team-a" and kube.in_cluster_namespace(tmp_path / "none") is None
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    assert kube.in_cluster(tmp_path).server == "https://[fd00::1]:6443"
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
-    with pytest.raises(ValueError, match="KUBERNETES_SERVICE_HOST"):
-        ApiAccess.in_cluster(tmp_path)
+    with pytest.raises(kube.NoCredentials, match="KUBERNETES_SERVICE_HOST"):
+        kube.in_cluster(tmp_path)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -55,8 +55,11 @@ def _operator_calls(ns: str) -> set[Call]:
     # executor: observe by label (list), create when missing, server-side apply (patch), delete.
     for group, resource in [("apps", "deployments"), ("", "services"), ("", "configmaps"),
                             ("policy", "poddisruptionbudgets"), ("monitoring.coreos.com", "servicemonitors"),
-                            ("inference.networking.k8s.io", "inferencepools")]:
+                            ("inference.networking.k8s.io", "inferencepools"),
+                            ("leaderworkerset.x-k8s.io", "leaderworkersets")]:
         add(group, resource, "list", "create", "patch", "delete")
+    # kopf.on.event for LeaderWorkerSets: the groups' readiness (spec.parallelism.pipeline > 1).
+    add("leaderworkerset.x-k8s.io", "leaderworkersets", "watch")
     # reads.runtime_pods(): the fetch-model init containers of a huggingFace / s3 source (ModelAvailable).
     add("", "pods", "list")
     # k8s.post_event() (handlers and tuner) and kopf itself: Events explaining reconciles, decisions, rollbacks.
@@ -134,6 +137,7 @@ def _recorded_calls(mode: str) -> Optional[set[Call]]:
 _NAMESPACED_RESOURCES = {
     "modelservices", "servinglanes", "modelservices/status", "servinglanes/status", "deployments", "services",
     "configmaps", "poddisruptionbudgets", "servicemonitors", "events", "kopfpeerings", "pods", "inferencepools",
+    "leaderworkersets",
 }
 
 

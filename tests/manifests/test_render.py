@@ -266,7 +266,8 @@ def _runtime_pod_templates(sample: str) -> list[dict]:
 
 @pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "llama3-8b.yaml", "llama3-8b-lora.yaml"])
 def test_runtime_networkpolicy_selects_the_pods_the_operator_renders(sample):
-    (policy,) = [o for o in render("manifests/overlays/namespaced") if o["kind"] == "NetworkPolicy"]
+    (policy,) = [o for o in render("manifests/overlays/namespaced")
+                 if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "tokenlane-runtime"]
     selector = policy["spec"]["podSelector"]["matchLabels"]
     (ingress,) = policy["spec"]["ingress"]
     port_names = {p["port"] for p in ingress["ports"]}
@@ -274,6 +275,36 @@ def test_runtime_networkpolicy_selects_the_pods_the_operator_renders(sample):
         assert selector.items() <= template["metadata"]["labels"].items(), template["metadata"]["labels"]
         (runtime,) = [c for c in template["spec"]["containers"] if c["name"] == "runtime"]
         assert port_names <= {p["name"] for p in runtime["ports"]}
+
+
+def test_group_networkpolicy_lets_a_leader_worker_set_group_reach_itself():
+    """The pods of a LeaderWorkerSet group (spec.parallelism.pipeline > 1) reach each other on
+    every port (rendezvous, collectives); other runtime pods stay under the HTTP-only policy."""
+    from tokenlane.operator.api.resources import parse_model_service
+    from tokenlane.operator.desired import builders
+
+    (policy,) = [o for o in render("manifests/overlays/namespaced")
+                 if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "tokenlane-runtime-groups"]
+    msvc = parse_model_service({"apiVersion": "tokenlane.dev/v1alpha1", "kind": "ModelService",
+                                "metadata": {"name": "m", "namespace": WORKLOAD_NAMESPACE},
+                                "spec": {"model": {"path": "/models/m"}, "gpus": {"count": 2},
+                                         "parallelism": {"tensor": 2, "pipeline": 2}}})
+    (lws,) = [o for o in builders.build(msvc, []).objects if o["kind"] == "LeaderWorkerSet"]
+    controller_labels = {"leaderworkerset.sigs.k8s.io/name": "m", "leaderworkerset.sigs.k8s.io/worker-index": "1"}
+
+    def selects(selector: dict, labels: dict) -> bool:
+        exprs_hold = all((e["key"] in labels) == (e["operator"] == "Exists") for e in selector.get("matchExpressions", []))
+        return selector.get("matchLabels", {}).items() <= labels.items() and exprs_hold
+
+    for role in ("leaderTemplate", "workerTemplate"):
+        labels = lws["spec"]["leaderWorkerTemplate"][role]["metadata"]["labels"]
+        assert not selects(policy["spec"]["podSelector"], labels)  # a Deployment's pod: not a group's
+        pod = {**labels, **controller_labels}
+        assert selects(policy["spec"]["podSelector"], pod)
+        ((peer,),) = [rule["from"] for rule in policy["spec"]["ingress"]]
+        assert selects(peer["podSelector"], pod) and all("ports" not in r for r in policy["spec"]["ingress"])
+        ((peer,),) = [rule["to"] for rule in policy["spec"]["egress"]]
+        assert selects(peer["podSelector"], pod)
 
 
 @pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "llama3-8b.yaml", "llama3-8b-lora.yaml"])

@@ -56,6 +56,7 @@ MSVC_INVALID = [
     ("spec.adapters", [{"name": "sql", "source": {"pvc": {"claimName": "loras", "path": "sql/../../etc"}}}],
      "path must stay inside the volume"),
     ("spec.gateway", {"inferencePool": {"enabled": True}}, "inferencePool.enabled needs inferencePool.endpointPicker"),
+    ("spec.parallelism", {"tensor": 4, "pipeline": 2}, "gpus.count must equal parallelism.tensor"),
 ]
 
 # (field, value, message) on the llama3-8b-interactive sample.
@@ -79,6 +80,7 @@ OUT_OF_RANGE = [
     ("spec.adapters", [{"name": "sql", "source": {"huggingFace": {"repo": "no-organisation"}}}]),
     ("spec.engine.maxLoraRank", 4096),
     ("spec.gateway.inferencePool.endpointPicker.failureMode", "Sometimes"),
+    ("spec.parallelism.tensor", 0), ("spec.parallelism.tensor", 17), ("spec.parallelism.pipeline", 65),
 ]
 
 

@@ -174,6 +174,8 @@ CASES = [
     ("tenant-key-duplicate", edit(**{"tenants": [{"name": "team-a", "apiKeySha256": KEY_A},
                                                  {"name": "team-b", "apiKeySha256": KEY_A}]}),
      "tenants[team-b].apiKeySha256", edit()),
+    ("parallel-tensor-above-node", edit(**{"engine.tensorParallelSize": 9}), "engine.tensorParallelSize",
+     edit(**{"engine.tensorParallelSize": 8, "engine.pipelineParallelSize": 4})),
 ]
 
 
@@ -195,7 +197,7 @@ def test_every_rule_has_a_case_or_a_test_of_its_own():
     covered = {case[0] for case in CASES} | {
         "kv-long-context-fits-fp8", "config-invalid", "max-model-len-above-checkpoint", "tenant-lane-unknown", "replicas-single",
         "tuning-without-slo", "rollout-without-prometheus", "alerts-not-found", "alerts-missing",
-        "model-source-without-cache"}
+        "model-source-without-cache", "parallel-tensor-heads", "parallel-pipeline-above-layers"}
     assert covered == set(checklist.RULES)
 
 
@@ -591,3 +593,23 @@ def test_check_runs_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["summary"]["error"] == 0
+
+
+def test_parallelism_against_the_checkpoint(tmp_path):
+    """The checkpoint mismatches the runtime refuses at start, seen before it (a checkpoint with
+    4 layers and 4 attention heads); a ModelService's finding names spec.parallelism."""
+    checkpoint = checklist.Checkpoint(num_layers=4, num_kv_heads=2, head_dim=32, max_position_embeddings=None,
+                                      num_attention_heads=4)
+    for tensor, pipeline, rules in ((2, 4, set()), (3, 1, {"parallel-tensor-heads"}),
+                                    (4, 5, {"parallel-pipeline-above-layers"})):
+        data = copy.deepcopy(CLEAN)
+        edit(**{"engine.tensorParallelSize": tensor, "engine.pipelineParallelSize": pipeline})(data)
+        found = {f.rule for f in run_rules(data, checkpoint=checkpoint) if f.rule.startswith("parallel-")}
+        assert found == rules, (tensor, pipeline)
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "tokenlane.dev/v1alpha1", "kind": "ModelService", "metadata": {"name": "m"},
+        "spec": {"model": {"path": "/models/m"}, "gpus": {"count": 3}, "parallelism": {"tensor": 3, "pipeline": 5}}}))
+    subjects, _ = check.subjects_from_manifests(check.render.read_documents([str(tmp_path / "m.yaml")]), checkpoint)
+    found = {(f.rule, f.key) for f in checklist.check_subject(subjects[0]) if f.rule.startswith("parallel-")}
+    assert found == {("parallel-tensor-heads", "spec.parallelism.tensor"),
+                     ("parallel-pipeline-above-layers", "spec.parallelism.pipeline")}

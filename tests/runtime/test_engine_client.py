@@ -255,12 +255,26 @@ async def test_a_core_that_speaks_another_wire_version_fails_the_client_clearly(
     await client.shutdown(0.0)
 
 
-async def test_the_core_process_client_detokenizes_and_its_stop_string_ends_the_request_in_the_core():
-    # The core returns token ids only; without the stop string's Abort it would run to 400 tokens.
+def front_client(kind: str, engine: LLMEngine, tokenizer):
+    """The client of `kind` around `engine`: in this process, or a core (threads, real pipes)."""
+    if kind == "in-process":
+        return InProcessClient(AsyncEngine(engine))
+    return core_client(engine, tokenizer=tokenizer)[0]
+
+
+def requests_in_processing(client) -> int:
+    """The requests the client's output processor still tracks (0 once all are done)."""
+    front = client.async_engine if isinstance(client, InProcessClient) else client
+    return front._table.processor.num_tracked
+
+
+@pytest.mark.parametrize("kind", ["in-process", "core-process"])
+async def test_both_clients_detokenize_in_the_front_end_and_a_stop_string_ends_the_request_in_the_engine(kind):
+    # The engine returns token ids only; without the stop string's abort it would run to 400 tokens.
     engine, executor = make_engine(num_blocks=256, token_fn=text_tokens("hello END there"),
-                                   tokenizer=CharTokenizer(), detokenize=False)
-    # The core gives "stopped" no token past the stop string's until the client's abort is
-    # staged: the abort, not max_tokens, ends it, however fast the core runs.
+                                   tokenizer=CharTokenizer())
+    # The engine gives "stopped" no token past the stop string's until the front end's abort
+    # is staged: the abort, not max_tokens, ends it, however fast the engine steps.
     staged, abort_request, execute = threading.Event(), engine.abort_request, executor.execute
 
     def recorded_abort_request(request_id, *args):
@@ -273,7 +287,7 @@ async def test_the_core_process_client_detokenizes_and_its_stop_string_ends_the_
         return execute(plan)
 
     engine.abort_request, executor.execute = recorded_abort_request, held_execute
-    client, core = core_client(engine, tokenizer=CharTokenizer())
+    client = front_client(kind, engine, CharTokenizer())
     finished = Finished()
     client.add_observer(finished)
     await client.start()
@@ -292,19 +306,60 @@ async def test_the_core_process_client_detokenizes_and_its_stop_string_ends_the_
                                                                             "stop_string")
     assert in_core["stopped"].num_output_tokens <= 10
     assert engine.scheduler.kv.num_free_blocks == 256
-    assert not client._ended_here and not client._texts  # the core's own end of it was dropped
+    assert requests_in_processing(client) == 0  # the engine's own end of it was dropped
 
 
-async def test_a_detokenizer_failure_in_the_core_process_client_ends_only_that_request():
+@pytest.mark.parametrize("kind", ["in-process", "core-process"])
+async def test_the_engine_steps_on_while_the_front_end_decodes(kind):
+    """Text work never delays a step: while a decode of the request's text is blocked, the
+    engine runs its next step. The decode waits for that step (a step thread that decoded
+    would wait for itself, and the decode fail after the guard's wait)."""
+
+    class GatedTokenizer(CharTokenizer):
+        def __init__(self) -> None:
+            self.decoding = threading.Event()  # a decode is blocked
+            self.stepped_meanwhile = threading.Event()  # the engine ran a step since
+
+        def decode(self, ids, **kw):
+            if not self.stepped_meanwhile.is_set():
+                self.decoding.set()
+                if not self.stepped_meanwhile.wait(60):  # a guard, not a timing
+                    raise RuntimeError("no step ran while a decode was blocked")
+            return super().decode(ids, **kw)
+
+    tokenizer = GatedTokenizer()
+    engine, executor = make_engine(token_fn=text_tokens("abcdef"), tokenizer=tokenizer)
+    execute, steps = executor.execute, []
+
+    def watched_execute(plan):
+        # The second step waits for the first token's decode to block (so the engine cannot
+        # finish before it), then runs while it is blocked.
+        if steps and not tokenizer.stepped_meanwhile.is_set():
+            if tokenizer.decoding.wait(60):  # a guard, not a timing
+                tokenizer.stepped_meanwhile.set()
+        steps.append(plan)
+        return execute(plan)
+
+    executor.execute = watched_execute
+    client = front_client(kind, engine, tokenizer)
+    await client.start()
+    stream = await client.submit(req("r", max_tokens=6))
+    outs = await asyncio.wait_for(collect(stream), 90)
+    assert (outs[-1].finish_reason, "".join(o.new_text for o in outs)) == (FinishReason.LENGTH, "abcdef")
+    assert tokenizer.stepped_meanwhile.is_set()
+    await client.shutdown(5.0)
+
+
+@pytest.mark.parametrize("kind", ["in-process", "core-process"])
+async def test_a_detokenizer_failure_in_the_front_end_ends_only_that_request(kind):
     class Fragile(CharTokenizer):
         def decode(self, ids, **kw):
             if 126 in ids:  # "~": a token this tokenizer cannot decode
                 raise ValueError("undecodable")
             return super().decode(ids, **kw)
 
-    engine, _ = make_engine(token_fn=lambda rid, pos: 126 if rid == "bad" else 97, tokenizer=Fragile(),
-                            detokenize=False)
-    client, core = core_client(engine, tokenizer=Fragile())
+    engine, _ = make_engine(token_fn=lambda rid, pos: 126 if rid == "bad" else 97, tokenizer=Fragile())
+    client = front_client(kind, engine, Fragile())
     finished = Finished()
     client.add_observer(finished)
     await client.start()
@@ -318,4 +373,4 @@ async def test_a_detokenizer_failure_in_the_core_process_client_ends_only_that_r
     in_core = {request.request_id: request for request in finished.requests}
     assert in_core["bad"].is_finished and in_core["good"].status is RequestStatus.FINISHED_LENGTH
     assert engine.scheduler.kv.num_free_blocks == 64
-    assert not client._texts
+    assert requests_in_processing(client) == 0

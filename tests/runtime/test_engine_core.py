@@ -8,6 +8,7 @@ import pytest
 
 from tokenlane.runtime.core.admission import AdmissionError
 from tokenlane.runtime.engine.llm_engine import LLMEngine, RestartRequired
+from tokenlane.runtime.engine.output import OfflineFront
 from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from tokenlane.runtime.executor.fake import FakeExecutor, make_config
 
@@ -59,12 +60,13 @@ def req(rid, n=6, max_tokens=4, **kw):
 
 
 def drain(engine, clock=None, limit=1000):
+    """Step an LLMEngine (token ids) or an OfflineFront (text too) until nothing runs."""
     outs = []
     for _ in range(limit):
         if not engine.has_unfinished_requests():
             return outs
         outs.extend(engine.step())
-        engine.scheduler.check_invariants()
+        getattr(engine, "engine", engine).scheduler.check_invariants()
         if clock is not None:
             clock.now += 0.01
     raise AssertionError("engine did not finish")
@@ -208,8 +210,9 @@ def text_tokens(text):
 
 def test_stop_string_truncates_and_never_leaks_its_prefix():
     engine, ex, clock, rec = make_engine(tokenizer=CharTokenizer(), token_fn=text_tokens("hello END there"))
-    engine.add_request(req("a", max_tokens=30, stop=["END"]))
-    outs = drain(engine, clock)
+    front = OfflineFront(engine)
+    front.add_request(request := req("a", max_tokens=30, stop=["END"]))
+    outs = drain(front, clock)
     text = "".join(o.new_text for o in outs)
     assert text == "hello "
     final = outs[-1]
@@ -217,13 +220,17 @@ def test_stop_string_truncates_and_never_leaks_its_prefix():
     assert final.finish_detail == "stop_string"
     # "E" and "EN" were held back while they could start the stop string.
     assert [o.new_text for o in outs][5:8] == [" ", "", ""]
+    # The front end's stop ended the request in the engine at the next step: no token past it.
     assert engine.scheduler.kv.num_free_blocks == 64
+    assert rec.finished == [("a", RequestStatus.FINISHED_STOPPED, "stop_string")]
+    assert request.num_output_tokens == len("hello END") and front.processor.num_tracked == 0
 
 
 def test_held_back_text_is_released_when_not_a_stop():
     engine, ex, clock, rec = make_engine(tokenizer=CharTokenizer(), token_fn=text_tokens("abENx"))
-    engine.add_request(req("a", max_tokens=5, stop=["END"]))
-    outs = drain(engine, clock)
+    front = OfflineFront(engine)
+    front.add_request(req("a", max_tokens=5, stop=["END"]))
+    outs = drain(front, clock)
     assert "".join(o.new_text for o in outs) == "abENx"
     assert outs[-1].finish_reason is FinishReason.LENGTH
 
@@ -237,8 +244,9 @@ def test_held_back_text_is_released_when_not_a_stop():
 ])
 def test_hold_back_is_exactly_the_longest_partial_stop_string(text, stop):
     engine, ex, clock, rec = make_engine(tokenizer=CharTokenizer(), token_fn=text_tokens(text))
-    engine.add_request(req("a", max_tokens=len(text), stop=stop))
-    outs = drain(engine, clock)
+    front = OfflineFront(engine)
+    front.add_request(req("a", max_tokens=len(text), stop=stop))
+    outs = drain(front, clock)
     cut = min((text.find(s) for s in stop if s in text), default=len(text))
     assert "".join(o.new_text for o in outs) == text[:cut]
     sent = ""
@@ -384,9 +392,10 @@ def test_a_detokenizer_failure_ends_only_that_request():
 
     engine, ex, clock, rec = make_engine(tokenizer=Fragile(),
                                          token_fn=lambda rid, pos: 126 if rid == "bad" else 97)
-    engine.add_request(req("bad", max_tokens=5))
-    engine.add_request(req("good", max_tokens=5))
-    outs = drain(engine, clock)
+    front = OfflineFront(engine)
+    front.add_request(req("bad", max_tokens=5))
+    front.add_request(req("good", max_tokens=5))
+    outs = drain(front, clock)
     final = {o.request_id: o for o in outs if o.finished}
     assert final["bad"].finish_reason is FinishReason.ERROR and "undecodable" in final["bad"].finish_detail
     assert final["good"].finish_reason is FinishReason.LENGTH
@@ -432,11 +441,12 @@ def test_from_config_model_streams_text_that_matches_the_tokens(tiny_model_dir):
         scheduler=SchedulerConfig(max_batched_tokens=64, prefill_chunk_size=16, max_active_sequences=8),
     )
     engine = LLMEngine.from_config(config)
+    front = OfflineFront(engine)
     tok = engine.tokenizer
     prompt = tok.encode("The quick brown fox", add_special_tokens=True)
-    engine.add_request(Request("plain", prompt, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                ignore_eos=True)))
-    outs = drain(engine)
+    front.add_request(Request("plain", prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                               ignore_eos=True)))
+    outs = drain(front)
     text = "".join(o.new_text for o in outs)
     ids = [t for o in outs for t in o.new_token_ids]
     assert len(ids) == 12
@@ -445,9 +455,9 @@ def test_from_config_model_streams_text_that_matches_the_tokens(tiny_model_dir):
     # Stop on a piece of what the model says anyway: cut there.
     assert len(text) >= 2
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    engine.add_request(Request("stop", prompt, SamplingParams(max_tokens=12, temperature=0.0,
-                                                               ignore_eos=True, stop=[stop])))
-    outs = drain(engine)
+    front.add_request(Request("stop", prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                              ignore_eos=True, stop=[stop])))
+    outs = drain(front)
     cut = "".join(o.new_text for o in outs)
     assert cut == text[: text.index(stop)]
     assert outs[-1].finish_detail == "stop_string"

@@ -163,3 +163,29 @@ def test_the_quota_books_always_equal_a_recount(scenario):
     for r in live:
         allocator.free(r)
     assert kv.num_free_blocks == num_blocks and not any(quotas.held.values())
+
+
+def test_shares_brought_in_and_out_by_reload_rebook_the_holders():
+    """Without KV shares only the per-lane counts are kept; a reload that brings shares in
+    rebuilds the per-block books from the holders (the reserve sees what its lane owns), and
+    one that takes them out drops them again, the counts exact throughout."""
+    allocator = make(12, 2, {"a": (1.0, 0.0), "b": (1.0, 0.0), "c": (1.0, 0.0)})
+    quotas = allocator.quotas
+    assert not quotas.active
+    ra, rb = request("ra", "a", 6), request("rb", "b", 4)
+    allocator.allocate(ra, 6, "a")
+    allocator.allocate(rb, 4, "b")
+    assert quotas.held == {"a": 3, "b": 2, "c": 0} and not quotas.owned.get("a")
+    allocator.check_invariants([ra, rb], [ra, rb])
+    allocator.configure({"a": budgets(1.0, 0.0), "b": budgets(1.0, 0.5), "c": budgets(1.0, 0.0)}, [ra, rb])
+    assert quotas.active and quotas.owned == {"a": 3, "b": 2, "c": 0} and quotas.unmet("b") == 4
+    allocator.check_invariants([ra, rb], [ra, rb])
+    ra.num_computed_tokens = 6
+    assert allocator.allocate(ra, 8, "a") is None  # 4 more blocks: 7 free, 4 of them b's unmet reserve
+    assert len(allocator.allocate(ra, 6, "a")) == 3
+    allocator.free(rb)
+    allocator.configure({name: budgets(1.0, 0.0) for name in LANES}, [ra])
+    assert not quotas.active and quotas.held == {"a": 6, "b": 0, "c": 0}
+    allocator.check_invariants([ra], [ra])
+    allocator.free(ra)
+    assert quotas.held == {"a": 0, "b": 0, "c": 0} and allocator.kv.num_free_blocks == 12

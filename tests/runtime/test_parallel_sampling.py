@@ -244,6 +244,115 @@ def test_group_properties(scenario):
                 assert m.status is RequestStatus.FINISHED_CANCELLED, (m.request_id, m.status, m.finish_detail)
 
 
+def _check_lane_caps(scheduler) -> None:
+    """No lane holds more block-table entries than its maxKvCacheShare allows (a recount over
+    the running sequences; a forked sequence's shared prompt blocks count for each holder)."""
+    quotas = scheduler.quotas
+    held = {name: 0 for name in scheduler.lanes}
+    for r in scheduler.requests.values():
+        if r.status is RequestStatus.RUNNING:
+            held[r.lane] += len(r.block_ids)
+    for name, n in held.items():
+        cap = quotas.cap[name]
+        assert cap >= quotas.num_blocks or n <= cap, f"lane {name} holds {n} blocks, over its cap {cap}"
+
+
+def test_a_fork_the_lane_cap_cannot_hold_gives_way():
+    """A lane capped at 10 blocks: the leader holds 4, and each of 3 followers would take 3
+    shared entries at the fork (13 > 10). The followers the cap cannot hold give way (back
+    to the queue, recomputing later) instead of pushing the lane over its cap; every
+    sequence still ends with exactly its own tokens."""
+    executor = FakeExecutor(num_kv_blocks=20, block_size=4)
+    config = make_config(block_size=4, prefix_caching=False,
+                         lanes=[{"name": "capped", "default": True, "maxKvCacheShare": 0.5}])
+    engine = LLMEngine(config, executor)
+    members = group_of("g", list(range(1, 14)), 4, max_tokens=6)  # 13 tokens: forks at 12 (3 blocks)
+    engine.add_group(members)
+    outputs = run(engine, on_step=lambda e: _check_lane_caps(e.scheduler))
+    assert sum(m.num_preemptions for m in members[1:]) > 0
+    assert outputs == {m.request_id: expected_tokens(m) for m in members}
+    assert engine.scheduler.kv.num_free_blocks == 20
+
+
+@st.composite
+def capped_group_scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    num_blocks = draw(st.integers(12, 40))
+    lanes = []
+    for i in range(draw(st.integers(1, 2))):
+        lane = {"name": f"lane{i}", "default": i == 0, "priority": draw(st.sampled_from([10, 50]))}
+        share = draw(st.sampled_from([None, 0.3, 0.5, 0.8]))
+        if share is not None:
+            lane["maxKvCacheShare"] = share
+        if draw(st.booleans()):
+            lane["kvCacheReserved"] = draw(st.sampled_from([0.1, 0.2]))
+        lanes.append(lane)
+    modes = draw(st.sampled_from([("decode-first", True), ("mixed", True), ("decode-first", False)]))
+    arrivals = []
+    for _ in range(draw(st.integers(1, 8))):
+        prompt_len = draw(st.integers(1, 16))
+        arrivals.append({
+            "at": draw(st.integers(0, 8)),
+            "n": draw(st.sampled_from([1, 2, 3, 4])),
+            "prompt": [draw(st.sampled_from([3, 5, 7])) for _ in range(prompt_len)],
+            "max_tokens": draw(st.integers(1, 8)),
+            "lane": draw(st.integers(0, len(lanes) - 1)),
+            "cancel_at": draw(st.one_of(st.none(), st.integers(0, 25))),
+        })
+    return block_size, num_blocks, lanes, modes, arrivals
+
+
+@settings(max_examples=examples(40, thorough_run=150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(capped_group_scenarios())
+def test_group_forks_keep_lane_kv_caps(scenario):
+    """Lanes with KV shares (maxKvCacheShare, kvCacheReserved) and sequence groups: after
+    every step no lane holds more blocks than its cap, forks included, and the books balance
+    (check_invariants: held == recount, unused reserves free); no block leaks and every
+    sequence that ran to its length produced exactly its own tokens."""
+    block_size, num_blocks, lanes, (policy, continuous), arrivals = scenario
+    executor = FakeExecutor(num_kv_blocks=num_blocks, block_size=block_size)
+    config = make_config(block_size=block_size, lanes=lanes, max_active_sequences=8, max_batched_tokens=16,
+                         prefill_chunk_size=8, policy=policy, continuous_batching=continuous)
+    engine = LLMEngine(config, executor)
+    submitted: list[tuple[dict, list[Request]]] = []
+    outputs: dict[str, list[int]] = {}
+    for step in range(600):
+        for i, a in enumerate(arrivals):
+            if a["at"] == step:
+                lane = f"lane{a['lane']}"
+                if a["n"] > 1:
+                    members = group_of(f"r{i}", a["prompt"], a["n"], a["max_tokens"])
+                    for m in members:
+                        m.lane = lane
+                else:
+                    members = [Request(f"r{i}-0", a["prompt"], SamplingParams(max_tokens=a["max_tokens"],
+                                                                              ignore_eos=True), lane=lane)]
+                try:
+                    engine.add_group(members) if len(members) > 1 else engine.add_request(members[0])
+                except AdmissionError as exc:
+                    assert exc.status in (400, 429, 503), exc
+                    continue
+                submitted.append((a, members))
+            if a["cancel_at"] == step:
+                for b, members in submitted:
+                    if b is a:
+                        engine.abort_request(members[-1].request_id)
+        if step > 8 and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.scheduler.check_invariants()
+        _check_lane_caps(engine.scheduler)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv.num_free_blocks == num_blocks
+    for _, members in submitted:
+        for m in members:
+            if m.status is RequestStatus.FINISHED_LENGTH:
+                assert outputs[m.request_id] == expected_tokens(m)
+            else:
+                assert m.status is RequestStatus.FINISHED_CANCELLED, (m.request_id, m.status, m.finish_detail)
+
+
 # ---------------------------------------------------------------- the real model executor
 
 

@@ -339,3 +339,30 @@ def test_a_sequence_group_starts_only_with_room_for_all_its_sequences(
             or (lane_running and lane_running + size > lane_max)
             or leader_blocks + size - 1 > room
         )
+
+
+@PROPERTY
+@given(st.integers(2, 8), st.integers(1, 6), st.integers(0, 12), st.integers(0, 12))
+def test_a_sequence_group_larger_than_its_lane_starts_once_the_lane_has_room_for_all_it_holds(
+    size, leader_blocks, capacity, room
+):
+    """With the lane's capacity (the most blocks it can ever hold), a leader asks for room for
+    its group's blocks up to that capacity, never less than its own: a group its lane can
+    never hold whole still starts (no livelock), and one it can hold asks for all of it."""
+    capacity = max(capacity, leader_blocks)  # admission: each sequence alone fits its lane
+    asked: list[int] = []
+
+    def fits(num_blocks: int) -> bool:
+        asked.append(num_blocks)
+        return num_blocks <= room
+
+    ok = ParallelSampling().group_fits(
+        size, leader_blocks, num_running=0, max_active=8, lane_running=0, lane_max_active=8,
+        fits_blocks=fits, capacity=capacity,
+    )
+    (need,) = asked
+    assert leader_blocks <= need <= capacity
+    assert need == min(leader_blocks + size - 1, capacity)
+    assert ok == (need <= room)
+    if room >= capacity:  # the lane has all it can ever hold free: the group starts
+        assert ok

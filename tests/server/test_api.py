@@ -10,6 +10,7 @@ import pytest
 
 from tokenlane.runtime.config import load_config
 from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.engine.output import OfflineFront
 from tokenlane.runtime.core.request import Request, SamplingParams
 from tokenlane.runtime.engine.tokenizer import apply_chat_template, encode_prompt
 
@@ -20,14 +21,15 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
 def reference(shared_server):
     """A second engine on the same config: what the server must answer, run offline."""
     engine = LLMEngine.from_config(load_config(shared_server.config_path))
+    front = OfflineFront(engine)  # text and stop strings, as the server's front end makes them
 
     def run(prompt_ids, **sampling):
         request = Request(f"ref-{len(prompt_ids)}-{sorted(sampling.items())}", list(prompt_ids),
                           SamplingParams(**sampling))
-        engine.add_request(request)
+        front.add_request(request)
         text, ids, last = "", [], None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while front.has_unfinished_requests():
+            for out in front.step():
                 text += out.new_text
                 ids += out.new_token_ids
                 last = out

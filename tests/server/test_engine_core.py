@@ -24,6 +24,7 @@ from serve_process import start_serve
 
 from tokenlane.runtime.config import load_config
 from tokenlane.runtime.engine.llm_engine import LLMEngine
+from tokenlane.runtime.engine.output import OfflineFront
 from tokenlane.runtime.engine.client import EngineClient
 from tokenlane.runtime.engine.core_client import CoreProcessClient
 from tokenlane.runtime.core.request import Request, SamplingParams
@@ -70,13 +71,14 @@ def core_server(serve, core_gate):
 def offline(core_server):
     """An engine in this process on the same config: what the server must answer."""
     engine = LLMEngine.from_config(load_config(core_server.config_path))
+    front = OfflineFront(engine)  # text and stop strings, as the server's front end makes them
     count = iter(range(10**6))
 
     def run(prompt_ids, **sampling):
-        engine.add_request(Request(f"ref-{next(count)}", list(prompt_ids), SamplingParams(**sampling)))
+        front.add_request(Request(f"ref-{next(count)}", list(prompt_ids), SamplingParams(**sampling)))
         text = ""
-        while engine.has_unfinished_requests():
-            text += "".join(out.new_text for out in engine.step())
+        while front.has_unfinished_requests():
+            text += "".join(out.new_text for out in front.step())
         return text
 
     run.tokenizer = engine.tokenizer
