@@ -44,8 +44,8 @@ def join_group(config: RuntimeConfig, rendezvous: Rendezvous, rank: int, local_i
     started = time.perf_counter()
     store = rendezvous_store(rendezvous, rank, layout.world_size, local)
     device = rank_device(device_type, local_index)
-    state = init_parallel_state(layout, rendezvous.master_addr, rendezvous.master_port + 1, device,
-                                rendezvous.timeout_s)
+    state = init_parallel_state(layout, rendezvous.master_addr, rendezvous.master_port, device,
+                                rendezvous.timeout_s, store=store)
     channel = PlanChannel.create(rank, layout.world_size, layout.output_rank)
     log.info("parallel: rank %d of %d (tensor rank %d of stage %d) joined at %s in %.2f s, %s",
              rank, layout.world_size, layout.tp_rank, layout.pp_rank, rendezvous.address,

@@ -10,9 +10,9 @@ with it.
 
 The rendezvous: the leader (rank 0) hosts a TCPStore on `master_port`; every rank checks in
 there, and rank 0 waits until all did (or the timeout passes: one message naming the address,
-the ranks expected and joined). Then torch.distributed's own rendezvous runs on
-`master_port + 1` (`init_parallel_state`), which then completes at once. The store stays: it
-carries the workers' heartbeats (watchdog.py).
+the ranks expected and joined). Then torch.distributed's process groups meet in the same
+store under a prefix of their own (`init_parallel_state`), which then completes at once: the
+group needs one port. The store stays: it carries the workers' heartbeats (watchdog.py).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class Rendezvous:
             raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if not 1 <= self.master_port <= 65534:  # the port after it is torch.distributed's
-            raise ValueError(f"--master-port must be in [1, 65534], got {self.master_port}")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be in [1, 65535], got {self.master_port}")
         if not self.timeout_s > 0:
             raise ValueError(f"--rendezvous-timeout must be > 0 seconds, got {self.timeout_s}")
 

@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--node-rank", type=int, help="this node's index, 0 = the leader that serves the API "
                                                  "(env LWS_WORKER_INDEX)")
     d.add_argument("--master-addr", help="the leader's address (env LWS_LEADER_ADDRESS; default 127.0.0.1)")
-    d.add_argument("--master-port", type=int, help="the leader's rendezvous port; torch.distributed uses the "
-                                                   "next one too (env TOKENLANE_DIST_PORT; default 29500)")
+    d.add_argument("--master-port", type=int, help="the leader's rendezvous port, the group's only one "
+                                                   "(env TOKENLANE_DIST_PORT; default 29500)")
     d.add_argument("--rendezvous-timeout", type=float, help="seconds the start waits for every rank to join "
                                                             "(env TOKENLANE_DIST_TIMEOUT_S; default 600)")
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0,

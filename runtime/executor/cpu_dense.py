@@ -260,19 +260,12 @@ def can_use_panels(weight: torch.Tensor) -> bool:
 def prepack_linear(
     linear: nn.Linear, *, keep_dense: bool = True, support: Optional[CpuMatmulSupport] = None
 ) -> nn.Module:
-    """`linear` itself when neither prepacking nor panels apply, else its prepacked replacement.
-    A float32 weight below PREPACK_MIN_ELEMENTS keeps its dense copy too (for batches outside
-    PACKED_ROWS, or outside `panel_rows()` where it has panels); one below
-    SMALL_PREPACK_MIN_ELEMENTS gets panels and no oneDNN copy where `can_use_panels`."""
-    bias = None if linear.bias is None else linear.bias.detach()
+    """`linear` itself when prepacking does not apply, else its prepacked replacement. A float32
+    weight below PREPACK_MIN_ELEMENTS keeps its dense copy too (for batches outside PACKED_ROWS,
+    or outside `panel_rows()` where it has panels)."""
     if not can_prepack(linear.weight, support):
-        if (linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
-                and can_use_panels(linear.weight)):
-            # Too small for oneDNN, but a panel product still: panels for decode batches, the
-            # dense weight for the rest, so that a model whose projections are all this small
-            # keeps every decode step's product on the panels (and its steps on the helper pool).
-            return PrepackedLinear(linear.weight, bias, keep_dense=True, panel_rows=panel_rows())
         return linear
+    bias = None if linear.bias is None else linear.bias.detach()
     rows = panel_rows() if can_use_panels(linear.weight) else None
     if linear.weight.dtype == torch.float32 and linear.weight.numel() < PREPACK_MIN_ELEMENTS:
         return PrepackedLinear(linear.weight, bias, keep_dense=True,

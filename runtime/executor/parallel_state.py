@@ -145,12 +145,16 @@ def init_parallel_state(
     master_port: int,
     device: torch.device,
     timeout_s: float,
+    store: Optional[object] = None,
 ) -> ParallelState:
     """Join the group (TCP rendezvous at master_addr:master_port) and make its process groups.
 
     Every rank calls this with its own layout; it returns once all world_size ranks joined, or
     raises (RuntimeError / DistStoreError) after `timeout_s` with the rendezvous address in the
     message. The groups are created in the same order on every rank, as torch.distributed needs.
+    With `store` (a torch.distributed Store every rank already reaches, such as the TCPStore
+    rank 0 hosts at master_addr:master_port) the group meets there under a key prefix of its
+    own: one port for the whole group.
     """
     import torch.distributed as dist
 
@@ -159,13 +163,15 @@ def init_parallel_state(
         return single_process(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    rendezvous = (dict(store=dist.PrefixStore("torch.distributed/", store)) if store is not None
+                  else dict(init_method=f"tcp://{master_addr}:{master_port}"))
     try:
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
             world_size=layout.world_size,
             rank=layout.rank,
             timeout=timeout,
+            **rendezvous,
         )
     except Exception as exc:  # the store's own message says little about which address
         raise RuntimeError(

@@ -124,6 +124,8 @@ def served(request, models, tmp_path_factory):
         raise
     assert proc.returncode == 0, log[-3000:]
     assert "parallel group failed" not in log
+    # A clean shutdown tells every worker rank to stop (with a core process too), none is killed.
+    assert log.count("stopping (shutdown)") == tp * pp - 1, log[-3000:]
 
 
 def prompt_ids(i: int, n: int = 40) -> list[int]:

@@ -137,12 +137,10 @@ def test_prepacked_linear_matches_f_linear(shape, with_bias, keep_dense):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_prepack_applies_to_large_weights_of_natively_multiplied_dtypes(monkeypatch):
+def test_prepack_applies_to_large_weights_of_natively_multiplied_dtypes():
     assert can_prepack(_head_weight()) == torch.backends.mkldnn.is_available()
     small = nn.Linear(64, 128, bias=False)
-    monkeypatch.setattr(cpu_dense, "PANEL_MAX_IN_FEATURES", 0)  # no panels: small stays as it is
     assert not can_prepack(small.weight) and prepack_linear(small) is small
-    monkeypatch.undo()
     large_bf16 = nn.Linear(512, 4096, bias=False, dtype=BF16)
     large_fp16 = nn.Linear(512, 4096, bias=False, dtype=FP16)
     # bf16 only where the CPU multiplies it natively (else oneDNN converts it every call).
@@ -194,18 +192,6 @@ def test_float32_linears_get_panels_for_decode_batches():
     wide = prepack_linear(nn.Linear(cpu_dense.PANEL_MAX_IN_FEATURES + 1, 512, bias=False), keep_dense=False,
                           support=AVX2)
     assert wide.panels is None and wide.packed is not None
-    # Below oneDNN's threshold (a Qwen2-like qkv [320 x 192]): panels and the dense weight, no
-    # oneDNN copy, so a model of only such projections still has all-panel decode steps.
-    tiny = nn.Linear(192, 320)
-    assert not can_prepack(tiny.weight)
-    tiny_packed = prepack_linear(tiny, keep_dense=False, support=AVX2)
-    assert tiny_packed.panel_rows == cpu_dense.panel_rows() and tiny_packed.weight is tiny.weight
-    assert tiny_packed.packed is None and tiny_packed.bias is not None
-    for rows in (1, 16, 200):  # panels, panels, dense
-        x = torch.randn(rows, 192)
-        with torch.inference_mode():
-            torch.testing.assert_close(tiny_packed(x), tiny(x), rtol=1e-5, atol=1e-5)
-    assert prepack_linear(nn.Linear(cpu_dense.PANEL_MAX_IN_FEATURES + 1, 64)).__class__ is nn.Linear
     # bf16 only where the build multiplies bf16 pairs natively (AVX512-BF16)
     assert cpu_dense.can_use_panels(torch.zeros(512, 512, dtype=BF16)) == cpu_native.panel_bf16_pairs()
     assert not cpu_dense.can_use_panels(torch.zeros(512, 512, dtype=FP16))
