@@ -14,7 +14,8 @@ from random.Random(0)) to steady state, then two cases are timed:
   mixed    N-1 running decodes plus one 128-token prefill chunk every step.
 Each phase is timed by wrapping the engine's own methods on the instance (nothing in the
 engine changes): schedule, prepare inputs (the executor's step less its forward pass and
-sampling: block copies, input checks, building the flat batch), forward split into
+sampling: block copies, input checks, building the flat batch, whose own part,
+`BatchInputBuilder.build`, is shown below it as "of it: build batch"), forward split into
 attention (each layer's `self_attn` less its projections), linear layers (every
 `nn.Linear` but the LM head), LM head, other (embedding, norms, rotary, residuals); sample
 (grammar masks, sampler), update (`Scheduler.update_from_output`), outputs (token ids and
@@ -72,12 +73,15 @@ SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # Phases of one step, in table order. FORWARD_PHASES add up to the forward pass.
 FORWARD_PHASES = ("attention", "linear", "lm_head", "forward_other")
-ENGINE_PHASES = ("schedule", "prepare_inputs", *FORWARD_PHASES, "sample", "update", "outputs", "engine_other")
+# "build_batch" is a part of "prepare_inputs", shown under it.
+ENGINE_PHASES = ("schedule", "prepare_inputs", "build_batch", *FORWARD_PHASES, "sample", "update", "outputs",
+                 "engine_other")
 # The event loop's dispatch of a step's outputs (text, streams) runs beside the step thread: not in the cycle.
 HTTP_PHASES = ("loop_gap", "stream")
 LABELS = {
     "schedule": "schedule",
     "prepare_inputs": "prepare inputs",
+    "build_batch": "  of it: build batch",
     "attention": "forward: attention",
     "linear": "forward: linear layers",
     "lm_head": "forward: LM head",
@@ -184,6 +188,9 @@ class StepRecorder:
         scheduler.update_from_output = self.timed("update", scheduler.update_from_output)
         engine._outputs = self.timed("outputs", engine._outputs)
         executor.execute = self.timed("execute", executor.execute)
+        inputs = getattr(executor, "inputs", None)
+        if inputs is not None:  # the flat batch (BatchInputBuilder.build): a part of prepare inputs
+            inputs.build = self.timed("build_batch", inputs.build)
         model = getattr(executor, "model", None)
         if model is not None:
             model.forward = self.timed("forward", model.forward)
@@ -275,7 +282,8 @@ def instrument(engine, loop_thread_id: Optional[int] = None) -> StepRecorder:
 
 def phase_breakdown(record: dict[str, Any]) -> dict[str, float]:
     """Seconds per table phase of one step record (the derived phases computed). All but
-    "stream" (a part of "loop_gap") add up to the record's cycle."""
+    "stream" (a part of "loop_gap") and "build_batch" (a part of "prepare_inputs") add up to
+    the record's cycle."""
     forward = record.get("forward", 0.0)
     linear, lm_head = record.get("linear", 0.0), record.get("lm_head", 0.0)
     self_attn = record.get("self_attn", 0.0)
@@ -284,6 +292,7 @@ def phase_breakdown(record: dict[str, Any]) -> dict[str, float]:
     out = {
         "schedule": record.get("schedule", 0.0),
         "prepare_inputs": max(0.0, record.get("execute", 0.0) - forward - record.get("sample", 0.0)),
+        "build_batch": record.get("build_batch", 0.0),
         "attention": attention,
         "linear": linear,
         "lm_head": lm_head,

@@ -57,32 +57,6 @@ def restore_environment():
     os.environ.update(saved)
 
 
-def start_leader_with_env(config_path: Path, env: dict, *flags: str) -> tuple[subprocess.Popen, str]:
-    """start_serve with extra environment variables (LeaderWorkerSet's)."""
-    import os
-    import time
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
-         "--port", str(port), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read())
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() >= deadline:
-            proc.kill()
-            raise AssertionError("server did not become ready")
-        time.sleep(0.2)
-
-
 def write_config(folder: Path, model: Path, tp: int, pp: int, core: bool = False) -> Path:
     path = folder / f"runtime-{tp}x{pp}.yaml"
     path.write_text(CONFIG.format(model=model, tp=tp, pp=pp, core=str(core).lower()))
@@ -148,9 +122,9 @@ def test_two_node_group_health_and_a_lost_node(model, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # The leader's flags come from LeaderWorkerSet's environment here, as in a pod.
-        proc, url = start_leader_with_env(
-            config, {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0", "LWS_LEADER_ADDRESS": "127.0.0.1"},
-            "--master-port", master, "--no-core-process")
+        proc, url = start_serve(
+            config, "--master-port", master, "--no-core-process", timeout_s=180,
+            env={"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0", "LWS_LEADER_ADDRESS": "127.0.0.1"})
     except BaseException:
         worker.kill()
         raise

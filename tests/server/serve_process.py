@@ -3,10 +3,12 @@ process itself (signals, exit codes, its log)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import httpx
 
@@ -17,16 +19,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(config_path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """(the process, its base URL) once /ready answers 200; the log is on proc.stdout."""
+def start_serve(config_path, *flags: str, env: Optional[dict] = None,
+                timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """(the process, its base URL) once /ready answers 200; the log is on proc.stdout. `env`:
+    variables added to this process's environment for the server."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
          "--port", str(port), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=None if env is None else {**os.environ, **env},
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise AssertionError(proc.stdout.read())
