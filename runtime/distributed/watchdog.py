@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from datetime import timedelta
 from typing import Callable, Optional
 
 from tokenlane.runtime.distributed.launch import LocalRanks, describe_exit
+from tokenlane.runtime.observability.process_exit import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,9 @@ _BEAT = "tokenlane/heartbeat/{}"
 
 
 def end_now(code: int) -> None:
-    """Exit at once (no interpreter teardown, as `tokenlane serve` ends), logs flushed."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    """Exit at once, logs flushed, no exit functions and no interpreter teardown
+    (runtime/observability/process_exit.py)."""
+    exit_now(code, run_exit_functions=False)
 
 
 class Heartbeat:

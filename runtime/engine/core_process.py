@@ -20,13 +20,11 @@ of the command pipe closes, so a killed server leaves no engine behind.
 
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
 import gc
 import io
 import logging
-import os
 import pickle
 import queue
 import signal
@@ -41,6 +39,7 @@ from tokenlane.runtime.core.stats import StepStats
 from tokenlane.runtime.engine import messages as wire
 from tokenlane.runtime.engine.llm_engine import LLMEngine
 from tokenlane.runtime.engine.output import RequestOutput
+from tokenlane.runtime.observability.process_exit import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -313,14 +312,6 @@ def run_engine_core(config: RuntimeConfig, commands, events, log_level: int = lo
 
 
 def _end_core(code: int) -> None:
-    """Exit now, as `tokenlane serve` does: the interpreter's teardown of torch and triton
-    costs seconds of CPU (and nanobind prints a leak report). The exit functions still run, as
-    `tokenlane serve` runs them: a multi-rank executor stops its worker ranks there."""
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    """Exit now, as `tokenlane serve` does (runtime/observability/process_exit.py). The exit
+    functions still run: a multi-rank executor stops its worker ranks there."""
+    exit_now(code)

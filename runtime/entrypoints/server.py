@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import dataclasses
 import gc
 import logging
@@ -35,6 +34,7 @@ from tokenlane.runtime.config import (
 )
 from tokenlane.runtime.core.startup import StartupPhase, summary_line
 from tokenlane.runtime.observability.flight_recorder import DEFAULT_CAPACITY, default_dump_dir
+from tokenlane.runtime.observability.process_exit import exit_now
 
 log = logging.getLogger("tokenlane.server")
 
@@ -233,19 +233,11 @@ class GracefulServer(uvicorn.Server):
 
 
 def end_process(code: int) -> None:
-    """Exit with `code` now, skipping the interpreter's teardown: with torch, transformers and
-    triton loaded it garbage-collects a few hundred thousand objects and unloads every module,
-    1-3 s of CPU on a 2-core host (measured) that only delays whoever waits for the exit (a
-    rollout, `tokenlane bench`). The server and the engine have stopped by then, and the
-    asyncio default executor (dumps, tokenization) was joined when the event loop closed; the
-    atexit handlers still run (logging flushes its handlers there)."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed or gone: nothing left to keep
-            pass
-    os._exit(code)
+    """Exit with `code` now, skipping the interpreter's teardown (runtime/observability/
+    process_exit.py). The server and the engine have stopped by then, and the asyncio default
+    executor (dumps, tokenization) was joined when the event loop closed; the atexit handlers
+    still run."""
+    exit_now(code)
 
 
 def freeze_startup_heap() -> None:
