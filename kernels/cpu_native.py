@@ -49,6 +49,9 @@ log = logging.getLogger("tokenlane.kernels")
 
 CACHE_ENV = native_build.CACHE_ENV
 JIT_ENV = "TOKENLANE_NATIVE_JIT"
+# Load no level above this one (as oneDNN's ONEDNN_MAX_CPU_ISA caps its own kernels): to run a
+# lower level's code paths on a newer CPU, e.g. an AVX2 build's panel rows on an AVX-512 host.
+MAX_LEVEL_ENV = "TOKENLANE_NATIVE_MAX_LEVEL"
 # The JIT build's instruction set: this host's own. Threads: in a pool step (`pool_step`)
 # attention and the panel products share their items with the C helper pool (pthreads);
 # otherwise they, and the large norms and argmaxes, run on the caller's OpenMP team, i.e.
@@ -179,6 +182,8 @@ def describe() -> str:
     if library is None:
         return f"native CPU kernels not loaded ({_load_error}); the torch path runs"
     how = "built here (TOKENLANE_NATIVE_JIT)" if library.jit else "prebuilt"
+    if not library.jit and os.environ.get(MAX_LEVEL_ENV, "").strip():
+        how += f", {MAX_LEVEL_ENV}={os.environ[MAX_LEVEL_ENV].strip()}"
     return f"native CPU kernels loaded: level {library.level}, {how}, {library.path}"
 
 
@@ -193,6 +198,12 @@ def prebuilt_library(native_dir: Optional[Path] = None) -> NativeLibrary:
     built = manifest.get("levels") or {}
     if not built:
         raise RuntimeError(f"the native kernels were not built with this package: {manifest.get('reason')}")
+    cap = os.environ.get(MAX_LEVEL_ENV, "").strip()
+    if cap:
+        names = [lv.name for lv in native_build.levels_for()]
+        if cap not in names:
+            raise RuntimeError(f"{MAX_LEVEL_ENV}={cap!r} is not a level of this machine: one of {names}")
+        built = {name: entry for name, entry in built.items() if name in names[: names.index(cap) + 1]}
     flags = native_build.host_cpu_flags()
     level = native_build.choose_level(flags, built)
     if level is None:

@@ -42,7 +42,11 @@ layers. Where the dense weight is held (the small weights, the LM head), the oth
 to it (MKL) and there is no oneDNN copy, so the memory is as before; the larger per-layer
 weights keep oneDNN's copy for prefill, so those are held twice (up to twice the per-layer
 weight memory of these small models: for a hidden size of 768 and 12 layers, about 340 MB more
-in float32).
+in float32). Weights too small to prepack (below 2^16 elements: a 192-wide model's qkv and o
+projections) get panels as well, beside their dense weight: a decode step is a pool step
+(kernels/cpu_native.py) only when every linear of the model has panels, and a model with one
+such projection otherwise ran every decode step on torch's OpenMP team, whose barrier waits for
+a thread the server's own work preempted (docs/benchmarks.md, "Small weights on panels").
 
 bfloat16 weights are prepacked too where the CPU multiplies bf16 natively (AVX512-BF16 or
 AMX: where `cpuComputeDtype: auto` keeps bf16). `F.linear` in bf16 already goes to oneDNN
@@ -257,16 +261,31 @@ def can_use_panels(weight: torch.Tensor) -> bool:
             and cpu_native.panel_bf16_pairs())
 
 
+def _can_hold_small_panels(weight: torch.Tensor, support: Optional[CpuMatmulSupport]) -> bool:
+    """A weight below the prepacking sizes with panels multiplies its other batches dense
+    (float32), or through oneDNN's copy (bf16, which F.linear would reorder on every call)."""
+    if weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return (weight.dtype in prepack_dtypes(support) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 def prepack_linear(
     linear: nn.Linear, *, keep_dense: bool = True, support: Optional[CpuMatmulSupport] = None
 ) -> nn.Module:
-    """`linear` itself when prepacking does not apply, else its prepacked replacement. A float32
-    weight below PREPACK_MIN_ELEMENTS keeps its dense copy too (for batches outside PACKED_ROWS,
-    or outside `panel_rows()` where it has panels)."""
-    if not can_prepack(linear.weight, support):
-        return linear
+    """`linear` itself when neither prepacking nor panels apply, else its prepacked replacement.
+    A float32 weight below PREPACK_MIN_ELEMENTS keeps its dense copy too (for batches outside
+    PACKED_ROWS, or outside `panel_rows()` where it has panels). A weight too small to prepack
+    still gets panels where it can: a model whose every linear has panels runs its decode steps
+    as pool steps (see the docstring)."""
     bias = None if linear.bias is None else linear.bias.detach()
     rows = panel_rows() if can_use_panels(linear.weight) else None
+    if not can_prepack(linear.weight, support):
+        if rows is None or not _can_hold_small_panels(linear.weight, support):
+            return linear
+        return PrepackedLinear(linear.weight, bias, keep_dense=True, panel_rows=rows)
     if linear.weight.dtype == torch.float32 and linear.weight.numel() < PREPACK_MIN_ELEMENTS:
         return PrepackedLinear(linear.weight, bias, keep_dense=True,
                                packed_rows=None if rows else PACKED_ROWS, panel_rows=rows)

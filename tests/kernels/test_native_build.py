@@ -232,6 +232,25 @@ def test_the_reasons_there_is_no_library_for_this_host(monkeypatch, tmp_path):
         cpu_native.prebuilt_library(native)
 
 
+def test_a_level_cap_loads_the_highest_level_at_or_under_it(monkeypatch, tmp_path):
+    levels = {name: {"library": f"libtokenlane_cpu_{name}.so"} for name in ALL_X86}
+    native = _fake_install(tmp_path, {"machine": "x86_64", "compiler": "cc", "reason": None, "failed": {},
+                                      "levels": levels})
+    for name in ALL_X86:
+        (native / f"libtokenlane_cpu_{name}.so").write_text("")
+    monkeypatch.setattr(native_build, "host_cpu_flags", lambda: frozenset(AVX512) | {"avx512_bf16"})
+    monkeypatch.setattr(native_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(cpu_native.MAX_LEVEL_ENV, raising=False)
+    assert cpu_native.prebuilt_library(native).level == "x86-64-v4-bf16"
+    for cap in ALL_X86:
+        monkeypatch.setenv(cpu_native.MAX_LEVEL_ENV, cap)
+        assert cpu_native.prebuilt_library(native).level == cap
+    monkeypatch.setenv(cpu_native.MAX_LEVEL_ENV, "x86-64-v2")
+    with pytest.raises(RuntimeError, match=r"TOKENLANE_NATIVE_MAX_LEVEL='x86-64-v2' is not a level of this "
+                                           r"machine: one of \['x86-64-v3'"):
+        cpu_native.prebuilt_library(native)
+
+
 def test_without_a_library_the_start_up_line_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(native_build, "NATIVE_DIR", tmp_path / "_native")
     monkeypatch.delenv(cpu_native.JIT_ENV, raising=False)

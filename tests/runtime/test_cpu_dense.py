@@ -137,10 +137,12 @@ def test_prepacked_linear_matches_f_linear(shape, with_bias, keep_dense):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_prepack_applies_to_large_weights_of_natively_multiplied_dtypes():
+def test_prepack_applies_to_large_weights_of_natively_multiplied_dtypes(monkeypatch):
     assert can_prepack(_head_weight()) == torch.backends.mkldnn.is_available()
     small = nn.Linear(64, 128, bias=False)
-    assert not can_prepack(small.weight) and prepack_linear(small) is small
+    assert not can_prepack(small.weight)
+    monkeypatch.setattr(cpu_dense, "PANEL_MAX_IN_FEATURES", 0)  # panels: the next tests
+    assert prepack_linear(small) is small
     large_bf16 = nn.Linear(512, 4096, bias=False, dtype=BF16)
     large_fp16 = nn.Linear(512, 4096, bias=False, dtype=FP16)
     # bf16 only where the CPU multiplies it natively (else oneDNN converts it every call).
@@ -192,6 +194,17 @@ def test_float32_linears_get_panels_for_decode_batches():
     wide = prepack_linear(nn.Linear(cpu_dense.PANEL_MAX_IN_FEATURES + 1, 512, bias=False), keep_dense=False,
                           support=AVX2)
     assert wide.panels is None and wide.packed is not None
+    # Too small to prepack (qkv of a 192-wide model): panels beside the dense weight, no oneDNN
+    # copy, so that every linear of such a model has panels (its decode steps are pool steps).
+    tiny = prepack_linear(nn.Linear(192, 320), keep_dense=False, support=AVX2)
+    assert not can_prepack(tiny.weight, AVX2)
+    assert tiny.panel_rows == cpu_dense.panel_rows() and tiny.weight is not None and tiny.packed is None
+    x = torch.randn(3, 192)
+    with torch.inference_mode():
+        torch.testing.assert_close(tiny(x), F.linear(x, tiny.weight, tiny.bias), rtol=1e-5, atol=1e-5)
+    # A tiny bf16 weight keeps itself where bf16 is not multiplied natively.
+    tiny_bf16 = nn.Linear(192, 320, dtype=BF16)
+    assert prepack_linear(tiny_bf16, support=AVX2) is tiny_bf16
     # bf16 only where the build multiplies bf16 pairs natively (AVX512-BF16)
     assert cpu_dense.can_use_panels(torch.zeros(512, 512, dtype=BF16)) == cpu_native.panel_bf16_pairs()
     assert not cpu_dense.can_use_panels(torch.zeros(512, 512, dtype=FP16))
@@ -441,8 +454,7 @@ def test_panel_sized_steps_run_as_pool_steps_with_transformers_tokens(tiny_model
     and short chunks) is a pool step: torch on one thread, the C kernels on the helper pool
     (kernels/cpu_native.py); the other steps are not. Greedy tokens equal transformers', and
     torch's thread count is back after every step."""
-    monkeypatch.setattr(cpu_dense, "SMALL_PREPACK_MIN_ELEMENTS", 1)  # every linear of the tiny model
-    pool_steps, other_steps = [], []
+    pool_steps, other_steps = [], []  # the tiny model's linears all have panels at the defaults
     real_pool_step, real_run = cpu_native.pool_step, ModelExecutor._run
 
     class CountedPoolStep(real_pool_step):
@@ -477,6 +489,10 @@ def test_only_a_model_whose_every_linear_has_panels_has_pool_steps(tiny_model_di
     config = RuntimeConfig(model=ModelConfig(path=str(tiny_model_dir)),
                            engine=EngineConfig(device="cpu", attention_backend="torch"))
     assert ModelExecutor(config).pool_step_rows is None  # the torch backend: no C kernels
+    config = RuntimeConfig(model=ModelConfig(path=str(tiny_model_dir)), engine=EngineConfig(device="cpu"))
+    if cpu_native.available() and cpu_dense.panel_rows() is not None:
+        # Every linear of the tiny model is too small to prepack, and has panels all the same.
+        assert ModelExecutor(config).pool_step_rows == cpu_dense.panel_rows()
     monkeypatch.setattr(cpu_dense, "PANEL_MAX_IN_FEATURES", 0)
     config = RuntimeConfig(model=ModelConfig(path=str(tiny_model_dir)), engine=EngineConfig(device="cpu"))
     assert ModelExecutor(config).pool_step_rows is None  # no panels
