@@ -27,25 +27,25 @@ single rows included: on a 2-core Zen 4, MKL's matrix-vector product of one row 
 Panels. A float32 weight of at most PANEL_MAX_IN_FEATURES input features (the hidden sizes of
 the smallest models) also gets a copy packed into panels for the native kernel
 (kernels/cpu_native.py's PanelLinear), and batches of `panel_rows()` rows (decode steps)
-multiply it: 1-96 rows in an AVX-512 build and in an AVX2 one. It keeps a pass's sums in registers
-and fetches a panel's weights while multiplying the one before, where oneDNN's first pass over
-each block waits for memory: decode steps of the 19M test model ran 1.15-1.17x (16 sequences)
-and 1.06-1.08x (64) faster, of the 44M model of bench/engine_vs_hf (its down
+multiply it: 1-96 rows in an AVX-512 build and in an AVX2 one. It keeps a pass's sums in
+registers and fetches a panel's weights while multiplying the one before, where oneDNN's first
+pass over each block waits for memory: decode steps of the 19M test model ran 1.15-1.17x (16
+sequences) and 1.06-1.08x (64) faster, of the 44M model of bench/engine_vs_hf (its down
 projection, 1376 inputs, left on oneDNN) 1.06x and 1.11x (2-core Xeon, AVX-512, whole engine
 steps with the two forms alternated in one engine). From 128 rows oneDNN is as fast, and from a
-few hundred faster (no blocking for the caches). With wider inputs the gain goes: 896-1536
-input features, 0.9-1.2x of oneDNN's speed at 1-96 rows (weights cold), 4096 features
-0.6-0.75x; so only inputs of at most 768 features get panels, which also bounds the memory the
-copies cost. An AVX2 build (three rows by four 8-float vectors a pass, oneDNN and MKL limited
-to AVX2 too, same host) was 1.1-1.5x faster at 1-16 rows, 0.7-0.9x at 32-96 for the 44M model's
-layers, product by product; served, a decode step of 17-96 sequences on panels is a pool step
-instead of one on torch's OpenMP team, and that won over the loss (docs/benchmarks.md, "AVX2
-panel rows"), so AVX2 builds take 1-96 rows too. Where the dense weight is held (the small weights, the LM head), the other batches go
-to it (MKL) and there is no oneDNN copy, so the memory is as before; the larger per-layer
-weights keep oneDNN's copy for prefill, so those are held twice (up to twice the per-layer
-weight memory of these small models: for a hidden size of 768 and 12 layers, about 340 MB more
-in float32). Weights too small to prepack (below 2^16 elements: a 192-wide model's qkv and o
-projections) get panels as well, beside their dense weight: a decode step is a pool step
+few hundred faster (no blocking for the caches). With wider inputs the gain goes: 896-1536 input
+features, 0.9-1.2x of oneDNN's speed at 1-96 rows (weights cold), 4096 features 0.6-0.75x; so
+only inputs of at most 768 features get panels, which also bounds the memory the copies cost. An
+AVX2 build (three rows by four 8-float vectors a pass, oneDNN and MKL limited to AVX2 too, same
+host) was 1.1-1.5x faster at 1-16 rows, 0.7-0.9x at 32-96 for the 44M model's layers, product by
+product; served, a decode step of 17-96 sequences on panels is a pool step instead of one on
+torch's OpenMP team, and that won over the loss (docs/benchmarks.md, "AVX2 panel rows"), so AVX2
+builds take 1-96 rows too. Where the dense weight is held (the small weights, the LM head), the
+other batches go to it (MKL) and there is no oneDNN copy, so the memory is as before; the larger
+per-layer weights keep oneDNN's copy for prefill, so those are held twice (up to twice the
+per-layer weight memory of these small models: for a hidden size of 768 and 12 layers, about 340
+MB more in float32). Weights too small to prepack (below 2^16 elements: a 192-wide model's qkv
+and o projections) get panels as well, beside their dense weight: a decode step is a pool step
 (kernels/cpu_native.py) only when every linear of the model has panels, and a model with one
 such projection otherwise ran every decode step on torch's OpenMP team, whose barrier waits for
 a thread the server's own work preempted (docs/benchmarks.md, "Small weights on panels").
