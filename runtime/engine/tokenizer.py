@@ -113,8 +113,12 @@ class ByteLevelTable:
     use without decoding (see IncrementalDetokenizer): "" for a token of no bytes, the token's
     text when its bytes are UTF-8 on their own and it does not end in U+FFFD, else None."""
 
-    def __init__(self, pieces: list[bytes]) -> None:
+    def __init__(self, pieces: list[bytes], out_of_vocab_empty: bool = False) -> None:
         self.pieces = pieces
+        # Whether the decode skips an id past the table (a model's padded embedding rows:
+        # Qwen2's 151936 rows hold 151646 tokens): its text is then "", else unknown (None).
+        self.out_of_vocab_empty = out_of_vocab_empty
+        self.beyond_text: Optional[str] = "" if out_of_vocab_empty else None
         self.texts: list[Optional[str]] = []
         for piece in pieces:
             try:
@@ -123,15 +127,21 @@ class ByteLevelTable:
                 text = None
             self.texts.append(None if text is None or text.endswith(_REPLACEMENT) else text)
 
+    def text_of(self, token_id: int) -> Optional[str]:
+        texts = self.texts
+        return texts[token_id] if token_id < len(texts) else self.beyond_text
+
     def decode(self, ids: Sequence[int]) -> str:
-        pieces = self.pieces
-        return b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+        pieces, size = self.pieces, len(self.pieces)
+        return b"".join(pieces[i] if i < size else b"" for i in ids).decode("utf-8", "replace")
 
     def is_utf8(self, ids: Sequence[int]) -> bool:
         """Whether the ids' bytes are valid UTF-8 (so they end on a character boundary)."""
         pieces, size = self.pieces, len(self.pieces)
         if any(i >= size for i in ids):
-            return False
+            if not self.out_of_vocab_empty:
+                return False
+            ids = [i for i in ids if i < size]
         try:
             b"".join(pieces[i] for i in ids).decode("utf-8")
         except UnicodeDecodeError:
@@ -188,7 +198,15 @@ def _build_byte_level_table(tokenizer: Any, skip_special_tokens: bool) -> Option
     checks += [[rng.randrange(size) for _ in range(rng.randint(2, 8))] for _ in range(256)]
     if backend.decode_batch(checks, skip_special_tokens=skip_special_tokens) != [table.decode(ids) for ids in checks]:
         return None
-    return table
+    # Ids past the vocabulary, alone and between tokens: skipped by the decode, or not.
+    beyond = [[size], [size + 1, size * 2 + 7]]
+    beyond += [[rng.randrange(size), size + rng.randrange(1 << 16), rng.randrange(size)] for _ in range(64)]
+    try:
+        decoded = backend.decode_batch(beyond, skip_special_tokens=skip_special_tokens)
+    except Exception:  # a decoder that rejects such ids: they keep the decodes' path
+        return table
+    empty = ByteLevelTable(pieces, out_of_vocab_empty=True)
+    return empty if decoded == [empty.decode(ids) for ids in beyond] else table
 
 
 class IncrementalDetokenizer:
@@ -234,8 +252,7 @@ class IncrementalDetokenizer:
             # like the decodes below hold it. Any other text is longer and ends in no U+FFFD:
             # the decodes would emit it and make the window end with this token, whose
             # bytes are whole UTF-8 again.
-            texts = self._table.texts
-            text = texts[token_id] if token_id < len(texts) else None
+            text = self._table.text_of(token_id)
             if text == "":
                 return ""
             if text is not None:

@@ -156,7 +156,9 @@ def test_table_path_streams_what_the_decodes_stream(tok):
     lone = [i for i in range(5, 400) if tok.decode([i]) == "\ufffd"]
     text = tok.encode(" ".join(TEXTS), add_special_tokens=False)
     specials = [tok.bos_token_id, tok.eos_token_id, 3, 4]
-    pools = [list(range(len(tok) + 8)), lone + text, specials + text + lone, text, lone + specials]
+    beyond = [len(tok) + 8, len(tok) + 20_000, 3 * len(tok)]
+    pools = [list(range(len(tok) + 8)), lone + text, specials + text + lone, text, lone + specials,
+             text + beyond, lone + beyond]
     for _ in range(1500):
         pool = rng.choice(pools)
         ids = [rng.choice(pool) for _ in range(rng.randint(1, 30))]
@@ -183,6 +185,22 @@ def test_table_path_decodes_nothing_for_plain_text(tok):
     calls.clear()
     assert detok.add_tokens(tok.encode(" ok", add_special_tokens=False)) == " ok"
     assert calls == []
+
+
+def test_ids_past_the_vocabulary_decode_nothing_without_a_decode(tok):
+    """A model's padded embedding rows (ids past the tokenizer's vocabulary, which its decode
+    skips) stream nothing and cost no decode: random models and padded vocabularies emit them."""
+    table = byte_level_table(tok, True)
+    assert table.out_of_vocab_empty and table.text_of(len(tok) + 5) == ""
+    detok = IncrementalDetokenizer(tok, encode_prompt(tok, "Prompt:"))
+    calls = []
+    decode = detok._decode
+    detok._decode = lambda ids: calls.append(ids) or decode(ids)
+    words = tok.encode(" alpha beta gamma", add_special_tokens=False)
+    ids = [i for w in words for i in (w, len(tok) + 7, 2 * len(tok))]
+    assert "".join(detok.add_tokens([t]) for t in ids) == " alpha beta gamma"
+    assert calls == []
+    assert detok.flush() == ""  # the held ids past the vocabulary: decoded once, to nothing
 
 
 def test_no_table_unless_the_decode_is_byte_level(tok, monkeypatch):
