@@ -113,12 +113,12 @@ class ByteLevelTable:
     use without decoding (see IncrementalDetokenizer): "" for a token of no bytes, the token's
     text when its bytes are UTF-8 on their own and it does not end in U+FFFD, else None."""
 
-    def __init__(self, pieces: list[bytes], out_of_vocab_empty: bool = False) -> None:
+    def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
-        # Whether the decode skips an id past the table (a model's padded embedding rows:
-        # Qwen2's 151936 rows hold 151646 tokens): its text is then "", else unknown (None).
-        self.out_of_vocab_empty = out_of_vocab_empty
-        self.beyond_text: Optional[str] = "" if out_of_vocab_empty else None
+        # The text of an id past the table (a model's padded embedding rows: Qwen2's 151936
+        # rows hold 151646 tokens): "" once the tokenizer's decode is seen to skip such ids,
+        # else unknown (None). The table's own decode always skips them.
+        self.beyond_text: Optional[str] = None
         self.texts: list[Optional[str]] = []
         for piece in pieces:
             try:
@@ -126,6 +126,10 @@ class ByteLevelTable:
             except UnicodeDecodeError:
                 text = None
             self.texts.append(None if text is None or text.endswith(_REPLACEMENT) else text)
+
+    @property
+    def out_of_vocab_empty(self) -> bool:
+        return self.beyond_text == ""
 
     def text_of(self, token_id: int) -> Optional[str]:
         texts = self.texts
@@ -205,8 +209,9 @@ def _build_byte_level_table(tokenizer: Any, skip_special_tokens: bool) -> Option
         decoded = backend.decode_batch(beyond, skip_special_tokens=skip_special_tokens)
     except Exception:  # a decoder that rejects such ids: they keep the decodes' path
         return table
-    empty = ByteLevelTable(pieces, out_of_vocab_empty=True)
-    return empty if decoded == [empty.decode(ids) for ids in beyond] else table
+    if decoded == [table.decode(ids) for ids in beyond]:
+        table.beyond_text = ""
+    return table
 
 
 class IncrementalDetokenizer:
