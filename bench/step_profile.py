@@ -36,6 +36,10 @@ engine core process, loop gap is the core's time between steps, of which output 
 its hand-off of a step's outputs (pickle, queue for its writer thread), and the event loop's
 CPU is not measured (another process). `--cpu-bind` sets `engine.cpuBind` for every server
 (e.g. `0`: one compute thread pinned to CPU 0, the server on the other CPUs).
+`--responses stream whole` alternates streamed responses with whole ones (`stream: false`):
+the same decode steps without the event loop's per-token work, so the difference is what
+streaming costs the step (no inter-token time then). Under "build batch", "its CPU time" is
+the step thread's CPU clock: the rest of the phase it waited for the GIL or a core.
 
 "Host overhead" is everything but the forward pass: schedule + prepare inputs + sample +
 update + outputs + engine other + loop gap, as a share of the step cycle (start of one step
@@ -73,15 +77,17 @@ SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # Phases of one step, in table order. FORWARD_PHASES add up to the forward pass.
 FORWARD_PHASES = ("attention", "linear", "lm_head", "forward_other")
-# "build_batch" is a part of "prepare_inputs", shown under it.
-ENGINE_PHASES = ("schedule", "prepare_inputs", "build_batch", *FORWARD_PHASES, "sample", "update", "outputs",
-                 "engine_other")
+# "build_batch" is a part of "prepare_inputs", shown under it, and "build_batch_cpu" the step
+# thread's CPU time in it (the rest of it, served, is waiting for the GIL or a core).
+ENGINE_PHASES = ("schedule", "prepare_inputs", "build_batch", "build_batch_cpu", *FORWARD_PHASES, "sample",
+                 "update", "outputs", "engine_other")
 # The event loop's dispatch of a step's outputs (text, streams) runs beside the step thread: not in the cycle.
 HTTP_PHASES = ("loop_gap", "stream")
 LABELS = {
     "schedule": "schedule",
     "prepare_inputs": "prepare inputs",
     "build_batch": "  of it: build batch",
+    "build_batch_cpu": "    its CPU time",
     "attention": "forward: attention",
     "linear": "forward: linear layers",
     "lm_head": "forward: LM head",
@@ -142,15 +148,19 @@ class StepRecorder:
         if self.current is not None:
             self.current[phase] = self.current.get(phase, 0.0) + seconds
 
-    def timed(self, phase: str, fn: Callable) -> Callable:
+    def timed(self, phase: str, fn: Callable, cpu_phase: Optional[str] = None) -> Callable:
+        """`fn` timed into `phase`; with `cpu_phase`, the calling thread's CPU time too."""
         add = self._add
 
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
+            c0 = time.thread_time() if cpu_phase else 0.0
             try:
                 return fn(*args, **kwargs)
             finally:
                 add(phase, time.perf_counter() - t0)
+                if cpu_phase:
+                    add(cpu_phase, time.thread_time() - c0)
 
         return wrapper
 
@@ -190,7 +200,7 @@ class StepRecorder:
         executor.execute = self.timed("execute", executor.execute)
         inputs = getattr(executor, "inputs", None)
         if inputs is not None:  # the flat batch (BatchInputBuilder.build): a part of prepare inputs
-            inputs.build = self.timed("build_batch", inputs.build)
+            inputs.build = self.timed("build_batch", inputs.build, cpu_phase="build_batch_cpu")
         model = getattr(executor, "model", None)
         if model is not None:
             model.forward = self.timed("forward", model.forward)
@@ -282,8 +292,8 @@ def instrument(engine, loop_thread_id: Optional[int] = None) -> StepRecorder:
 
 def phase_breakdown(record: dict[str, Any]) -> dict[str, float]:
     """Seconds per table phase of one step record (the derived phases computed). All but
-    "stream" (a part of "loop_gap") and "build_batch" (a part of "prepare_inputs") add up to
-    the record's cycle."""
+    "stream" (a part of "loop_gap") and "build_batch" and its CPU time (parts of "prepare_inputs")
+    add up to the record's cycle."""
     forward = record.get("forward", 0.0)
     linear, lm_head = record.get("linear", 0.0), record.get("lm_head", 0.0)
     self_attn = record.get("self_attn", 0.0)
@@ -293,6 +303,7 @@ def phase_breakdown(record: dict[str, Any]) -> dict[str, float]:
         "schedule": record.get("schedule", 0.0),
         "prepare_inputs": max(0.0, record.get("execute", 0.0) - forward - record.get("sample", 0.0)),
         "build_batch": record.get("build_batch", 0.0),
+        "build_batch_cpu": record.get("build_batch_cpu", 0.0),
         "attention": attention,
         "linear": linear,
         "lm_head": lm_head,
@@ -482,9 +493,9 @@ def instrument_core(stats_path: str, core) -> Callable[[], None]:
     return lambda: Path(stats_path).write_text(json.dumps(recorder.records))
 
 
-async def _stream_clients(base_url: str, prompts: list[list[int]], max_tokens: int) -> list[float]:
+async def _stream_clients(base_url: str, prompts: list[list[int]], max_tokens: int, streamed: bool = True) -> list[float]:
     """All prompts at once, one streaming completion each; returns every gap between two
-    streamed tokens of a request (s)."""
+    streamed tokens of a request (s). `streamed=False`: whole responses (no gaps)."""
     import httpx
     import openai
 
@@ -494,6 +505,10 @@ async def _stream_clients(base_url: str, prompts: list[list[int]], max_tokens: i
         model = (await client.models.list()).data[0].id
 
         async def one(prompt: list[int]) -> list[float]:
+            if not streamed:
+                await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                temperature=0.0, extra_body={"ignore_eos": True})
+                return []
             times = []
             stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
                                                      temperature=0.0, stream=True, extra_body={"ignore_eos": True})
@@ -506,7 +521,7 @@ async def _stream_clients(base_url: str, prompts: list[list[int]], max_tokens: i
 
 def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu_threads: Optional[int],
                  workdir: Path, attention_backend: str = "auto", step_loop: str = "thread",
-                 cpu_bind: Optional[str] = None) -> dict[str, Any]:
+                 cpu_bind: Optional[str] = None, responses: str = "stream") -> dict[str, Any]:
     import yaml
 
     from tokenlane.bench.serve_proc import free_port
@@ -553,7 +568,7 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
             # Warm-up request, then the measured run.
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             asyncio.run(_stream_clients(url, make_prompts(1, vocab, seed=7), 4))
-            gaps = asyncio.run(_stream_clients(url, make_prompts(running, vocab), max_tokens))
+            gaps = asyncio.run(_stream_clients(url, make_prompts(running, vocab), max_tokens, responses == "stream"))
         finally:
             proc.terminate()
             proc.wait(60)
@@ -561,7 +576,8 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
     return {
         "mode": "http", "dtype": dtype, "running": running, "cpu_threads": cpu_threads,
         "attention_backend": attention_backend, "step_loop": step_loop, "cpu_bind": cpu_bind,
-        "itl_p50_ms": 1000 * statistics.median(gaps),
+        "responses": responses,
+        **({"itl_p50_ms": 1000 * statistics.median(gaps)} if gaps else {}),
         "decode": summarize(steady(records, running, mixed=False)),
         "mixed": summarize(steady(records, running, mixed=True)),
     }
@@ -583,6 +599,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
                     name += f" {result['attention_backend']}"
                 if result.get("step_loop", "thread") != "thread":
                     name += f" {result['step_loop']}"
+                if result.get("responses", "stream") != "stream":
+                    name += f" {result['responses']}"
                 columns.append((name, summary, result))
     if not columns:
         return "(no steady-state steps recorded)"
@@ -632,6 +650,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(process: engine.coreProcess), run alternately (default thread)")
     p.add_argument("--cpu-bind", help="--http: engine.cpuBind of every server, e.g. 0 (the compute thread on "
                                       "CPU 0, the server on the others)")
+    p.add_argument("--responses", nargs="+", choices=["stream", "whole"], default=["stream"],
+                   help="--http: streamed responses, or whole ones (no per-token work on the event "
+                        "loop: what streaming costs the step), run alternately (default stream)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the alternation (default 1)")
     p.add_argument("--max-tokens", type=int, default=96, help="--http: tokens per request (default 96)")
     p.add_argument("--json", help="write the results to this file")
@@ -651,9 +672,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     for setting in settings:
                         for backend in args.attention_backend:
                             for step_loop in args.step_loop:
-                                results.append(http_profile(model_dir, dtype, running, args.max_tokens, setting,
-                                                            workdir, backend, step_loop, args.cpu_bind))
-                                print(format_table(results[-1:]), flush=True)
+                                for responses in args.responses:
+                                    results.append(http_profile(model_dir, dtype, running, args.max_tokens,
+                                                                setting, workdir, backend, step_loop,
+                                                                args.cpu_bind, responses))
+                                    print(format_table(results[-1:]), flush=True)
     else:
         for _ in range(args.rounds):
             for dtype in args.dtype:

@@ -45,7 +45,14 @@ class RequestStream:
         # per token (put, then the consumer's wake-up, under uvloop).
         self._outputs: collections.deque[RequestOutput] = collections.deque()
         self._waiter: Optional[asyncio.Future] = None
+        # The consumer's event loop, looked up once: asyncio.get_running_loop() makes a
+        # getpid() system call on every call (Python 3.11).
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._done = False  # the final output was handed to the consumer
+        # Set by a consumer that can take a non-final output at once, in the dispatch, instead
+        # of being woken for it (runtime/entrypoints/sse.py, DirectChunks): called only while
+        # the consumer waits with nothing queued; False leaves the output to the queue.
+        self.direct: Optional[Callable[[RequestOutput], bool]] = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -54,7 +61,10 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         while not self._outputs:
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -74,9 +84,18 @@ class RequestStream:
         return self._done
 
     def _put(self, output: RequestOutput) -> None:
-        self._outputs.append(output)
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        waiting = waiter is not None and not waiter.done()
+        direct = self.direct
+        if direct is not None and waiting and not output.finished and not self._outputs:
+            try:
+                if direct(output):
+                    return
+            except Exception:  # this stream's writes alone: it goes back to being woken
+                log.exception("writing an output of %s directly failed", self.request_id)
+                self.direct = None
+        self._outputs.append(output)
+        if waiting:
             waiter.set_result(None)
 
 

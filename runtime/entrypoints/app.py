@@ -67,6 +67,7 @@ from tokenlane.runtime.entrypoints.protocol import (
 )
 from tokenlane.runtime.entrypoints.routing import AdapterDenied, Caller, authenticate, resolve_model
 from tokenlane.runtime.entrypoints.text_codec import TextCodec
+from tokenlane.runtime.entrypoints.sse import RAW_SEND
 
 log = logging.getLogger("tokenlane.server")
 
@@ -230,6 +231,16 @@ class ServerState:
         return self._drain_task
 
 
+class _App(FastAPI):
+    """FastAPI that hands its streaming responses the server's `send` (sse.RAW_SEND), as long as
+    no middleware of ours was added (one could rewrite the body: gzip)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if not self.user_middleware:
+            scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     client: EngineClient,
     config_source: Union[None, str, Path, ConfigWatcher] = None,
@@ -273,7 +284,7 @@ def create_app(
             await state.begin_drain()
             state.close()
 
-    app = FastAPI(title="tokenlane", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = _App(title="tokenlane", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tokenlane = state
     app.openapi = lambda: _openapi_document(app)
 

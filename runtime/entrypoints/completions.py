@@ -55,8 +55,8 @@ from tokenlane.runtime.entrypoints.protocol import (
 from tokenlane.runtime.executor.structured_output import GrammarCompiler, parse_tool_call, tool_call_schema
 from tokenlane.runtime.core.request import FinishReason, Request, SamplingParams, SequenceGroup, sequence_seed
 from tokenlane.runtime.entrypoints.routing import AdapterDenied, Caller, choose_lane, parse_deadline_ms, resolve_model
-from tokenlane.runtime.entrypoints.sse import (DONE_EVENT, ClientGone, EventStreamResponse, TextEventTemplate, sse_event,
-                                   until_disconnect)
+from tokenlane.runtime.entrypoints.sse import (DONE_EVENT, ClientGone, DirectChunks, EventStreamResponse,
+                                              TextEventTemplate, sse_event, until_disconnect)
 from tokenlane.runtime.entrypoints.text_codec import TextCodec
 
 if TYPE_CHECKING:
@@ -358,8 +358,9 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
     if body.stream:
         idle_s = state.config.scheduler.stream_idle_timeout_ms / 1000.0
         events = _chat_events if chat else _completion_events
-        gen = events(state, jobs, want, model, created, body.include_usage_in_stream, synthetic)
-        return EventStreamResponse(gen, lambda how: _abort_jobs(jobs, how), idle_s, routing)
+        direct = DirectChunks()
+        gen = events(state, jobs, want, model, created, body.include_usage_in_stream, synthetic, direct)
+        return EventStreamResponse(gen, lambda how: _abort_jobs(jobs, how), idle_s, routing, direct)
 
     # Non-streaming: collect everything, watching the client meanwhile.
     async def collect(job: _Job) -> list:
@@ -497,6 +498,29 @@ async def _merged(jobs: list[_Job], synthetic: bool) -> AsyncIterator[tuple[_Job
             task.cancel()
 
 
+def _write_plain_chunks_directly(jobs: list[_Job], plain: dict, synthetic: bool,
+                                 direct: Optional[DirectChunks]) -> None:
+    """A single sequence's non-final chunks of text alone, written as the engine's outputs are
+    dispatched (DirectChunks) instead of by the events generator's loop: exactly the chunk
+    its template case makes (and nothing, as there, for an output with no text). Called where
+    that case covers every non-final output: no usage totals to keep, no logprobs, no ids, no
+    held-back text. The stream calls the hook only once its consumer waits in `_merged` with
+    nothing queued, i.e. after the first output (and any echo) went out through the loop."""
+    template = plain.get(jobs[0].index) if len(jobs) == 1 else None
+    if direct is None or template is None:
+        return
+
+    def write(out) -> bool:
+        write_now = direct.write
+        if write_now is None:
+            return False
+        if synthetic and out.new_token_ids:
+            out.new_text = TextCodec.synthetic_text(out.new_token_ids)
+        return write_now(template(out.new_text)) if out.new_text else True
+
+    jobs[0].stream.direct = write
+
+
 def _stream_error(out) -> Optional[APIError]:
     """An error to send as the stream's last event (a server cancel ends with "abort")."""
     if out.finished and out.finish_reason in (FinishReason.TIMEOUT, FinishReason.REJECTED, FinishReason.ERROR):
@@ -520,7 +544,8 @@ class _UsageTotals:
         return Usage.of(sum(self.prompt_tokens.values()), completion).model_dump()
 
 
-async def _completion_events(state, jobs, want: _Want, model, created, include_usage, synthetic) -> AsyncIterator[str]:
+async def _completion_events(state, jobs, want: _Want, model, created, include_usage, synthetic,
+                             direct: Optional[DirectChunks] = None) -> AsyncIterator[str]:
     base = {"id": jobs[0].request.request_id, "object": "text_completion", "created": created, "model": model}
     texts = state.token_texts
     formatters = {job.index: CompletionLogprobs(texts, want.logprobs) for job in jobs} if want.logprobs is not None else {}
@@ -548,6 +573,8 @@ async def _completion_events(state, jobs, want: _Want, model, created, include_u
     if want.logprobs is None and want.prompt_logprobs is None and not want.token_ids:
         plain = {job.index: TextEventTemplate.of(payload(job, TextEventTemplate.TEXT_SLOT, None, None))
                  for job in jobs}
+    if not include_usage:
+        _write_plain_chunks_directly(jobs, plain, synthetic, direct)
 
     async for job, out in _merged(jobs, synthetic):
         if include_usage:
@@ -584,7 +611,8 @@ async def _completion_events(state, jobs, want: _Want, model, created, include_u
     yield DONE_EVENT
 
 
-async def _chat_events(state, jobs, want: _Want, model, created, include_usage, synthetic) -> AsyncIterator[str]:
+async def _chat_events(state, jobs, want: _Want, model, created, include_usage, synthetic,
+                       direct: Optional[DirectChunks] = None) -> AsyncIterator[str]:
     base = {"id": jobs[0].request.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     texts = state.token_texts
     usage = _UsageTotals()
@@ -607,6 +635,8 @@ async def _chat_events(state, jobs, want: _Want, model, created, include_usage, 
     # With tools the text may be a tool call, known only at its end: held back, then sent as
     # one content delta or one tool_calls delta (OpenAI's chunk shape).
     held: dict[int, tuple[list[str], list]] = {job.index: ([], []) for job in jobs} if want.tools else {}
+    if not include_usage and not held and want.logprobs is None:
+        _write_plain_chunks_directly(jobs, plain, synthetic, direct)
     async for job, out in _merged(jobs, synthetic):
         if include_usage:
             usage.add(job, out)

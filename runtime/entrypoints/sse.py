@@ -91,6 +91,28 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
+# The scope key under which the app (runtime/entrypoints/app.py) keeps the server's own `send`,
+# before any middleware wraps it. Starlette's and FastAPI's wrappers only note that a response
+# has started, so a stream's body chunks skip them: three coroutine calls per token and stream.
+RAW_SEND = "tokenlane.raw_send"
+
+
+class DirectChunks:
+    """A stream's chunks written as the event loop dispatches a step's outputs, without waking
+    the response's task for each one (a wake-up, four frames resumed and suspended again, per
+    token and stream: most of the event loop's work behind many streams).
+
+    The response sets `write` once its start is out; the events generator sets its request
+    stream's `direct` hook (RequestStream, runtime/engine/async_engine.py), which the stream
+    calls only while its consumer waits with nothing queued, so nothing is in flight and the
+    order holds. A chunk the transport cannot take at once (flow control) finishes in a task of
+    its own; until it has, chunks queue for the response's task, which waits for it first.
+    """
+
+    def __init__(self) -> None:
+        self.write: Optional[Callable[[str], bool]] = None  # True: written (or being written)
+
+
 class EventStreamResponse(Response):
     """An SSE response that watches the client while it streams.
 
@@ -98,7 +120,8 @@ class EventStreamResponse(Response):
     client that goes away while the engine is still computing is noticed at once, not at the
     next write, and (2) bounds every write by the stream idle timeout: a consumer that stops
     reading blocks the transport's flow control, and after the timeout the request is
-    cancelled and the connection closed. `on_close` runs exactly once in every case.
+    cancelled and the connection closed. `on_close` runs exactly once in every case. With
+    `direct`, the events generator may have chunks written for it (DirectChunks).
     """
 
     def __init__(
@@ -107,6 +130,7 @@ class EventStreamResponse(Response):
         on_close: Callable[[str], None],
         idle_timeout_s: float,
         headers: dict[str, str],
+        direct: Optional[DirectChunks] = None,
     ) -> None:
         # As StreamingResponse does: no body attribute, so no Content-Length header.
         self.status_code = 200
@@ -116,15 +140,51 @@ class EventStreamResponse(Response):
         self.events = events
         self.on_close = on_close
         self.idle_timeout_s = idle_timeout_s
-
-    async def __call__(self, scope, receive, send) -> None:
-        how = "client_disconnect"
-        loop = asyncio.get_running_loop()
+        self.direct = direct
         # When the write in progress began (None between writes). A watchdog checks it four
         # times per timeout instead of a timer armed and disarmed around every write: one
         # write per token made that timer (anyio.fail_after) a third of the event loop's work
         # for a stream. A stalled write is cancelled between 1 and 1.25 timeouts in.
-        writing_since: Optional[float] = None
+        self._writing_since: Optional[float] = None
+        self._body_send: Optional[Callable] = None
+        self._pending: Optional[asyncio.Future] = None  # a direct chunk the transport had to wait for
+
+    def _write_now(self, event: str) -> bool:
+        """Write one chunk from the dispatch (DirectChunks); False: queue it instead."""
+        if self._pending is not None:
+            return False
+        write = self._body_send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        try:
+            waiting_on = write.send(None)
+        except StopIteration:  # written
+            return True
+        except BaseException:
+            return False  # the response's task meets the same error on its own write
+        self._writing_since = asyncio.get_running_loop().time()
+        self._pending = asyncio.ensure_future(self._finish_write(write, waiting_on))
+        self._pending.add_done_callback(_retrieve)
+        return True
+
+    async def _finish_write(self, write, waiting_on) -> None:
+        """Drive a send that suspended (as a task would: resume it once what it awaits is done)."""
+        try:
+            while True:
+                if waiting_on is None:  # a bare yield: another turn of the loop
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.wait([waiting_on])  # its outcome is the send's to read
+                waiting_on = write.send(None)
+        except StopIteration:
+            pass
+        except asyncio.CancelledError:
+            write.close()
+            raise
+        finally:
+            self._writing_since = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        how = "client_disconnect"
+        loop = asyncio.get_running_loop()
         stalled = False
         async with anyio.create_task_group() as tg:
 
@@ -136,7 +196,8 @@ class EventStreamResponse(Response):
                 nonlocal stalled
                 while True:
                     await asyncio.sleep(self.idle_timeout_s / 4)
-                    if writing_since is not None and loop.time() - writing_since >= self.idle_timeout_s:
+                    since = self._writing_since
+                    if since is not None and loop.time() - since >= self.idle_timeout_s:
                         stalled = True
                         tg.cancel_scope.cancel()
                         return
@@ -145,15 +206,27 @@ class EventStreamResponse(Response):
             tg.start_soon(watchdog)
             try:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                # The start (and the end) through the middlewares, the chunks past them.
+                body_send = self._body_send = scope.get(RAW_SEND, send)
+                if self.direct is not None:
+                    self.direct.write = self._write_now
                 async for event in self.events:
-                    writing_since = loop.time()
-                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-                    writing_since = None
+                    if self._pending is not None:
+                        await self._pending_written()
+                    self._writing_since = loop.time()
+                    await body_send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                    self._writing_since = None
+                if self._pending is not None:
+                    await self._pending_written()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 how = "completed"
             except OSError:
                 how = "client_disconnect"
             finally:
+                if self.direct is not None:
+                    self.direct.write = None
+                if self._pending is not None:
+                    self._pending.cancel()
                 if stalled:
                     how = "stream_idle_timeout"
                     log.warning("stream consumer stalled for %.1fs; cancelling the request", self.idle_timeout_s)
@@ -161,3 +234,9 @@ class EventStreamResponse(Response):
                 tg.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
                     await self.events.aclose()
+
+    async def _pending_written(self) -> None:
+        pending = self._pending
+        await pending
+        if self._pending is pending:
+            self._pending = None

@@ -105,6 +105,42 @@ def test_streaming_equals_non_streaming(shared_server, reference, sse):
     assert all(ch["choices"][0]["finish_reason"] is None for ch in text_chunks[:-1])
 
 
+def test_a_middleware_added_to_the_app_sees_every_streamed_chunk(serve, reference, sse):
+    # Streams write their chunks past Starlette's wrappers of `send` (runtime/entrypoints/sse.py,
+    # RAW_SEND) only while the app has no middleware of its own: one added (it could rewrite
+    # the body) must get them all.
+    seen: list[bytes] = []
+
+    class RecordBodies:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            async def recording_send(message):
+                if message["type"] == "http.response.body":
+                    seen.append(message.get("body", b""))
+                await send(message)
+
+            await self.app(scope, receive, recording_send)
+
+    def with_middleware(app):
+        app.add_middleware(RecordBodies)
+        return app
+
+    live = serve(wrap=with_middleware)
+    ids = encode_prompt(reference.tokenizer, PROMPT)
+    ref_text, _, _ = reference(ids, max_tokens=8, temperature=0.0, ignore_eos=True)
+    with live.client() as c:
+        payload = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=payload) as r:
+            assert r.status_code == 200
+            received = b"".join(r.iter_bytes())
+    events = sse(received.decode().splitlines())
+    assert events[-1] == "[DONE]"
+    assert "".join(ch["choices"][0]["text"] for ch in events[:-1]) == ref_text
+    assert b"".join(seen) == received
+
+
 def test_openai_client_completions_and_chat(shared_server, reference):
     client = openai.OpenAI(base_url=shared_server.url + "/v1", api_key="unused", max_retries=0)
     ids = encode_prompt(reference.tokenizer, PROMPT)
