@@ -365,6 +365,9 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
     # Non-streaming: collect everything, watching the client meanwhile.
     async def collect(job: _Job) -> list:
         outputs = [job.first]
+        # Non-final outputs join the list as they are dispatched, without waking this task for
+        # each (the stream calls the hook only while it waits here with nothing queued).
+        job.stream.direct = lambda out: outputs.append(out) is None
         while not outputs[-1].finished:
             outputs.append(await job.stream.__anext__())
         job.finished = True
