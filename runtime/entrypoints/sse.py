@@ -158,7 +158,7 @@ class EventStreamResponse(Response):
             waiting_on = write.send(None)
         except StopIteration:  # written
             return True
-        except BaseException:
+        except Exception:
             return False  # the response's task meets the same error on its own write
         self._writing_since = asyncio.get_running_loop().time()
         self._pending = asyncio.ensure_future(self._finish_write(write, waiting_on))
