@@ -18,14 +18,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from tokenlane.bench.serve_proc import free_port
+from tokenlane.bench.serve_proc import ServerProcess
 
 
 async def _stream(port: int, model: str, index: int, max_tokens: int, counts: list[int]) -> None:
@@ -72,9 +71,6 @@ async def _measure(port: int, pid: int, model: str, streams: int, max_tokens: in
 
 def run(model_dir: Path, streams: int, rounds: int, warmup_s: float, window_s: float,
         workdir: Path) -> list[dict[str, Any]]:
-    import httpx
-    import yaml
-
     max_tokens = 16000  # the streams outlast the window: it measures steady streaming
     config = {
         "model": {"path": str(model_dir), "servedName": "sim", "maxModelLen": max_tokens + 64},
@@ -83,33 +79,11 @@ def run(model_dir: Path, streams: int, rounds: int, warmup_s: float, window_s: f
         "scheduler": {"maxActiveSequences": streams, "maxWaitingRequests": 4096, "queueTimeoutMs": 3_600_000,
                       "streamIdleTimeoutMs": 600_000},
     }
-    config_path = workdir / "stream-cost.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     results = []
     for round_index in range(rounds):
-        port = free_port()
-        log_path = workdir / f"server-{round_index}.log"
-        with open(log_path, "wb") as log:
-            server = subprocess.Popen([sys.executable, "-m", "tokenlane.cli", "serve", "--config", str(config_path),
-                                       "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                                      stdout=log, stderr=subprocess.STDOUT)
-            try:
-                deadline = time.monotonic() + 300
-                while True:
-                    if server.poll() is not None:
-                        raise RuntimeError(f"server exited: {log_path.read_text()[-2000:]}")
-                    try:
-                        if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1, trust_env=False).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"server not ready: {log_path.read_text()[-2000:]}")
-                    time.sleep(0.2)
-                result = asyncio.run(_measure(port, server.pid, "sim", streams, max_tokens, warmup_s, window_s))
-            finally:
-                server.terminate()
-                server.wait(60)
+        with ServerProcess(config, workdir, f"round-{round_index + 1}", ready_timeout_s=300) as server:
+            result = asyncio.run(_measure(server.port, server.proc.pid, "sim", streams, max_tokens,
+                                          warmup_s, window_s))
         result["round"] = round_index + 1
         results.append(result)
         print(f"round {round_index + 1}: {result['loop_cpu_us_per_token']:.2f} us of loop CPU per token, "
