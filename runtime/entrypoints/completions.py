@@ -367,7 +367,11 @@ async def generate(state: ServerState, caller: Caller, body, http: HTTPRequest, 
         outputs = [job.first]
         # Non-final outputs join the list as they are dispatched, without waking this task for
         # each (the stream calls the hook only while it waits here with nothing queued).
-        job.stream.direct = lambda out: outputs.append(out) is None
+        def take(out) -> bool:
+            outputs.append(out)
+            return True
+
+        job.stream.direct = take
         while not outputs[-1].finished:
             outputs.append(await job.stream.__anext__())
         job.finished = True

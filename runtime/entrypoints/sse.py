@@ -236,7 +236,6 @@ class EventStreamResponse(Response):
                     await self.events.aclose()
 
     async def _pending_written(self) -> None:
-        pending = self._pending
-        await pending
-        if self._pending is pending:
-            self._pending = None
+        """The direct chunk the transport made wait is out (`_write_now` starts no other meanwhile)."""
+        await self._pending
+        self._pending = None
