@@ -54,7 +54,7 @@ class PersistentBlockTables:
 
     def __init__(self, width: int, capacity: int = 64) -> None:
         self.width = max(1, width)
-        self.table = torch.zeros((capacity, self.width), dtype=torch.int32)
+        self._set_table(torch.zeros((capacity, self.width), dtype=torch.int32))
         self.rows: dict[str, int] = {}  # request id -> its row
         self.known: dict[str, list[int]] = {}  # request id -> the block ids its row holds
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -75,13 +75,16 @@ class PersistentBlockTables:
             if len(blocks) > self.width:
                 self._widen(len(blocks))
             n_known = len(known)
-            target = self.table[row]
+            # Through the table's numpy view: a list written there is one C loop, where a
+            # torch.tensor and an index_put cost two dispatches (a decode step appends a block
+            # to one sequence in block_size, every step).
+            target = self._rows[row]
             if n_known < len(blocks) and blocks[:n_known] == known:
-                target[n_known : len(blocks)] = torch.tensor(blocks[n_known:], dtype=torch.int32)
+                target[n_known : len(blocks)] = blocks[n_known:]
             else:
-                target.zero_()
+                target[:] = 0
                 if blocks:
-                    target[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+                    target[: len(blocks)] = blocks
             self.known[rid] = list(blocks)
         return row
 
@@ -89,20 +92,24 @@ class PersistentBlockTables:
         row = self.rows.pop(request_id, None)
         if row is not None:
             self.known.pop(request_id)
-            self.table[row].zero_()
+            self._rows[row] = 0
             self._free.append(row)
 
     def _widen(self, width: int) -> None:
         wider = torch.zeros((self.table.shape[0], max(width, 2 * self.width)), dtype=torch.int32)
         wider[:, : self.width] = self.table
-        self.table, self.width = wider, wider.shape[1]
+        self._set_table(wider)
+
+    def _set_table(self, table: torch.Tensor) -> None:
+        self.table, self.width = table, table.shape[1]
+        self._rows = table.numpy()  # shares the tensor's memory
 
     def _take_row(self) -> int:
         if not self._free:
             capacity = self.table.shape[0]
             grown = torch.zeros((2 * capacity, self.width), dtype=torch.int32)
             grown[:capacity] = self.table
-            self.table = grown
+            self._set_table(grown)
             self._free = list(range(2 * capacity - 1, capacity - 1, -1))
         return self._free.pop()
 

@@ -127,6 +127,27 @@ def test_step_stats_and_lane_removal():
     assert value(m, "tokenlane_requests_running", lane="interactive") == 1
 
 
+def test_a_lane_dropped_then_brought_back_by_reloads_gets_its_step_series_again():
+    """The per-step series are looked up once per config: a lane that a reload removed and a
+    later reload brings back writes to its new series, not to the removed ones."""
+    m = PrometheusMetrics("tiny")
+    m.set_config(CFG)
+    m.on_step(StepStats(num_batched_tokens=8, kv_blocks_total=100, kv_blocks_free=90,
+                        lanes={"batch": LaneStepStats(running=2, decode_tokens=8)}))
+    assert value(m, "tokenlane_decode_tokens_total", lane="batch") == 8
+    m.set_config(loads_config("model: {path: /models/tiny, servedName: tiny}\nlanes: [{name: interactive}]"))
+    assert not [s for s in samples(m, "tokenlane_decode_tokens") if s.labels["lane"] == "batch"]
+    m.set_config(CFG)
+    m.on_step(StepStats(num_batched_tokens=5, kv_blocks_total=100, kv_blocks_free=80,
+                        lanes={"batch": LaneStepStats(running=1, decode_tokens=5, prefill_tokens=3)}))
+    assert value(m, "tokenlane_decode_tokens_total", lane="batch") == 5  # a new series, from zero
+    assert value(m, "tokenlane_prefill_tokens_total", lane="batch") == 3
+    assert value(m, "tokenlane_requests_running", lane="batch") == 1
+    assert value(m, "tokenlane_requests_running", lane="interactive") == 0
+    assert value(m, "tokenlane_kv_blocks_free") == 80
+    assert value(m, "tokenlane_batch_tokens_count") == 2
+
+
 def test_outcome_and_latency_series_exist_at_zero_for_every_lane_and_tenant():
     """rate() needs a counter to exist before its first increment: every configured lane (also
     one added by a hot reload) has its finished/rejected/timeout counters and its TTFT/TPOT
