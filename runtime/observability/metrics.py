@@ -328,19 +328,14 @@ class PrometheusMetrics:
         self._cache_info: Optional[tuple[str, str]] = None
         for result in CONFIG_RELOAD_RESULTS:  # present from the start, so rate() works at once
             self.config_reloads.labels(model, result)
-        for metric in (self.step_time, self.batch_tokens, self.preemptions, self.prefix_queries,
-                       self.oom_events, self.kv_restore):
-            metric.labels(model)
-        for tier in ("device", "host"):
-            self.prefix_hits.labels(model, tier)
-        for direction in ("offload", "restore"):
-            self.kv_host_transfer_blocks.labels(model, direction)
-            self.kv_host_transfer_bytes.labels(model, direction)
         # The children every step writes, looked up once (a `labels()` call takes a lock and
         # builds its key: about half of on_step's time when there were ~20 of them a step).
-        # The model's never go away; a lane's are rebuilt by set_config, which removes the
-        # series of lanes that went away.
-        self._step = _ModelSeries(self, model)
+        # The model's never go away: its counters and histograms exist from here (at zero, so
+        # rate() works at once), its gauges from the first occupancy that has them. A lane's
+        # are rebuilt by set_config, which removes the series of lanes that went away.
+        self._step = _StepSeries(self, model)
+        self._kv_gauges: Optional[_KvGauges] = None
+        self._request_gauges: Optional[tuple] = None  # (running, waiting) of the model
         self._lane_series: dict[str, _LaneSeries] = {}
         self._lanes: set[str] = set()
         self._tenants: set[str] = set()
@@ -461,14 +456,16 @@ class PrometheusMetrics:
 
     def set_occupancy(self, stats: StepStats) -> None:
         """Gauges from a step's (or a snapshot's) numbers."""
-        series = self._step
         if stats.kv_blocks_total:
-            series.kv_total.set(stats.kv_blocks_total)
-            series.kv_free.set(stats.kv_blocks_free)
-            series.kv_cached_free.set(stats.kv_blocks_cached_free)
-            series.kv_usage.set(stats.kv_usage)
-            series.kv_host_total.set(stats.kv_host_blocks_total)
-            series.kv_host_used.set(stats.kv_host_blocks_used)
+            kv = self._kv_gauges
+            if kv is None:
+                kv = self._kv_gauges = _KvGauges(self, self.model)
+            kv.total.set(stats.kv_blocks_total)
+            kv.free.set(stats.kv_blocks_free)
+            kv.cached_free.set(stats.kv_blocks_cached_free)
+            kv.usage.set(stats.kv_usage)
+            kv.host_total.set(stats.kv_host_blocks_total)
+            kv.host_used.set(stats.kv_host_blocks_used)
         # Configured lanes only: a step that ran before a reload took effect must not bring
         # back the series of a lane the reload removed (they would stay, stale, for good).
         lanes = stats.lanes
@@ -477,8 +474,12 @@ class PrometheusMetrics:
             per_lane.running.set(lane.running if lane else 0)
             per_lane.waiting.set(lane.waiting if lane else 0)
             per_lane.kv_blocks.set(lane.kv_blocks_held if lane else 0)
-        series.running.set(sum(lane.running for lane in lanes.values()))
-        series.waiting.set(sum(lane.waiting for lane in lanes.values()))
+        requests = self._request_gauges
+        if requests is None:
+            requests = self._request_gauges = (self.num_requests_running.labels(self.model),
+                                               self.num_requests_waiting.labels(self.model))
+        requests[0].set(sum(lane.running for lane in lanes.values()))
+        requests[1].set(sum(lane.waiting for lane in lanes.values()))
         self._set_adapters(stats)
 
     def _set_adapters(self, stats: StepStats) -> None:
@@ -579,13 +580,12 @@ class PrometheusMetrics:
         return generate_latest(self.registry.restricted_registry(names) if names else self.registry)
 
 
-class _ModelSeries:
-    """The model's children of the series a step writes."""
+class _StepSeries:
+    """The model's counters and histograms a step writes."""
 
     __slots__ = ("step_time", "batch_tokens", "preemptions", "prefix_queries", "prefix_hits_device",
                  "prefix_hits_host", "offload_blocks", "offload_bytes", "restore_blocks", "restore_bytes",
-                 "kv_restore", "oom_events", "kv_total", "kv_free", "kv_cached_free", "kv_usage",
-                 "kv_host_total", "kv_host_used", "running", "waiting")
+                 "kv_restore", "oom_events")
 
     def __init__(self, metrics: PrometheusMetrics, m: str) -> None:
         self.step_time = metrics.step_time.labels(m)
@@ -600,14 +600,20 @@ class _ModelSeries:
         self.restore_bytes = metrics.kv_host_transfer_bytes.labels(m, "restore")
         self.kv_restore = metrics.kv_restore.labels(m)
         self.oom_events = metrics.oom_events.labels(m)
-        self.kv_total = metrics.kv_total.labels(m)
-        self.kv_free = metrics.kv_free.labels(m)
-        self.kv_cached_free = metrics.kv_cached_free.labels(m)
-        self.kv_usage = metrics.kv_usage.labels(m)
-        self.kv_host_total = metrics.kv_host_total.labels(m)
-        self.kv_host_used = metrics.kv_host_used.labels(m)
-        self.running = metrics.num_requests_running.labels(m)
-        self.waiting = metrics.num_requests_waiting.labels(m)
+
+
+class _KvGauges:
+    """The model's KV pool gauges."""
+
+    __slots__ = ("total", "free", "cached_free", "usage", "host_total", "host_used")
+
+    def __init__(self, metrics: PrometheusMetrics, m: str) -> None:
+        self.total = metrics.kv_total.labels(m)
+        self.free = metrics.kv_free.labels(m)
+        self.cached_free = metrics.kv_cached_free.labels(m)
+        self.usage = metrics.kv_usage.labels(m)
+        self.host_total = metrics.kv_host_total.labels(m)
+        self.host_used = metrics.kv_host_used.labels(m)
 
 
 class _LaneSeries:

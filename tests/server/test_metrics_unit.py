@@ -132,6 +132,8 @@ def test_a_lane_dropped_then_brought_back_by_reloads_gets_its_step_series_again(
     later reload brings back writes to its new series, not to the removed ones."""
     m = PrometheusMetrics("tiny")
     m.set_config(CFG)
+    # The model's gauges appear with the engine's first numbers, not at zero before them.
+    assert not samples(m, "tokenlane_kv_blocks_total") and not samples(m, "tokenlane_num_requests_running")
     m.on_step(StepStats(num_batched_tokens=8, kv_blocks_total=100, kv_blocks_free=90,
                         lanes={"batch": LaneStepStats(running=2, decode_tokens=8)}))
     assert value(m, "tokenlane_decode_tokens_total", lane="batch") == 8
