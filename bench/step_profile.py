@@ -29,13 +29,17 @@ event loop, or the GIL while the loop serves the streams), output dispatch (the 
 `_dispatch` of the step's outputs: detokenization, stop strings, the request streams; on the
 event loop, alongside the next step), the event loop's CPU seconds per
 step (main-thread CPU clock: SSE framing and HTTP for every stream) and the step thread's
-CPU share of its wall time (below 1: it waited for the GIL or a core). `--cpu-threads`
+CPU share of its wall time (below 1: it waited for the GIL or a core), and the host CPU per
+step: the step thread's CPU outside the forward pass plus the event loop's. Where the loop's
+burst meets the step thread moves a wait for the GIL from one phase to another (and the host
+overhead share with it); the host CPU stays. `--cpu-threads`
 values run alternately (A B A B ...) with `engine.cpuThreads` set, for side-by-side ratios.
 `--step-loop process` serves with `engine.coreProcess: true`: the recorder then sits in the
 engine core process, loop gap is the core's time between steps, of which output dispatch is
 its hand-off of a step's outputs (pickle, queue for its writer thread), and the event loop's
-CPU is not measured (another process). `--cpu-bind` sets `engine.cpuBind` for every server
-(e.g. `0`: one compute thread pinned to CPU 0, the server on the other CPUs).
+CPU is not measured (another process), nor the host CPU. `--cpu-bind` sets
+`engine.cpuBind` for every server (e.g. `0`: one compute thread pinned to CPU 0, the server
+on the other CPUs).
 `--responses stream whole` alternates streamed responses with whole ones (`stream: false`):
 the same decode steps without the event loop's per-token work, so the difference is what
 streaming costs the step (no inter-token time then). Under "build batch", "its CPU time" is
@@ -203,7 +207,7 @@ class StepRecorder:
             inputs.build = self.timed("build_batch", inputs.build, cpu_phase="build_batch_cpu")
         model = getattr(executor, "model", None)
         if model is not None:
-            model.forward = self.timed("forward", model.forward)
+            model.forward = self.timed("forward", model.forward, cpu_phase="forward_cpu")
             for layer in model.layers:
                 self._hook_module(layer.self_attn, "self_attn")
             for name, module in model.named_modules():
@@ -319,8 +323,10 @@ def phase_breakdown(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median per phase over the records (ms), shares of the median cycle, host overhead."""
+def summarize(records: list[dict[str, Any]], host_cpu: bool = True) -> dict[str, Any]:
+    """Median per phase over the records (ms), shares of the median cycle, host overhead;
+    `host_cpu` False where the records cannot tell it (an engine core process: the API
+    process's CPU is another process's)."""
     if not records:
         return {"steps": 0}
     phases = [phase_breakdown(r) for r in records]
@@ -342,6 +348,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     loop_cpu = [r["loop_cpu"] for r in records if "loop_cpu" in r]
     if loop_cpu:
         summary["loop_cpu_ms_per_step"] = 1000 * statistics.median(loop_cpu)
+    # The host's CPU a step (the step thread's off the forward pass, plus the event loop's when
+    # it shares the process): unlike the shares, the same wherever the loop's work meets the
+    # step thread (a wait for the GIL moves between phases; the CPU does not).
+    if host_cpu:
+        summary["host_cpu_ms_per_step"] = 1000 * statistics.median(
+            max(0.0, r["step_cpu"] - r.get("forward_cpu", 0.0)) + r.get("loop_cpu", 0.0) for r in records)
     return summary
 
 
@@ -578,8 +590,8 @@ def http_profile(model_dir: Path, dtype: str, running: int, max_tokens: int, cpu
         "attention_backend": attention_backend, "step_loop": step_loop, "cpu_bind": cpu_bind,
         "responses": responses,
         **({"itl_p50_ms": 1000 * statistics.median(gaps)} if gaps else {}),
-        "decode": summarize(steady(records, running, mixed=False)),
-        "mixed": summarize(steady(records, running, mixed=True)),
+        "decode": summarize(steady(records, running, mixed=False), host_cpu=step_loop == "thread"),
+        "mixed": summarize(steady(records, running, mixed=True), host_cpu=step_loop == "thread"),
     }
 
 
@@ -618,6 +630,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
         ("host overhead share", lambda s, r: f"{100 * s['host_overhead_share']:5.1f}%"),
         ("step thread CPU/wall", lambda s, r: f"{s['step_thread_cpu_share']:.2f}"),
         ("event loop CPU/step", lambda s, r: f"{s['loop_cpu_ms_per_step']:.2f} ms" if "loop_cpu_ms_per_step" in s else "-"),
+        ("host CPU/step", lambda s, r: f"{s['host_cpu_ms_per_step']:.2f} ms" if "host_cpu_ms_per_step" in s else "-"),
         ("unprofiled step", lambda s, r: f"{r['unprofiled_step_ms']:.2f} ms" if "unprofiled_step_ms" in r else "-"),
         ("client inter-token p50", lambda s, r: f"{r['itl_p50_ms']:.2f} ms" if "itl_p50_ms" in r else "-"),
         ("steps measured", lambda s, r: str(s["steps"])),

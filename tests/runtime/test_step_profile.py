@@ -70,6 +70,9 @@ def test_phases_add_up_to_each_step_and_split_the_forward_pass(tiny_model_dir):
     summary = summarize(decodes)
     assert set(ENGINE_PHASES) <= set(summary["phase_ms"])
     assert 0 < summary["host_overhead_share"] < 1
+    # Offline, the host CPU is the step thread's outside the forward pass: below its whole CPU.
+    assert all(0 < r["forward_cpu"] <= r["step_cpu"] for r in decodes)
+    assert 0 < summary["host_cpu_ms_per_step"] < 1000 * max(r["step_cpu"] for r in decodes)
     assert sum(summary["phase_ms"][name] for name in FORWARD_PHASES) > 0
     table = format_table([{"mode": "offline", "dtype": "float32", "running": 3, "decode": summary}])
     assert "offline fp32 N=3 decode" in table and "host overhead share" in table
@@ -103,6 +106,7 @@ def test_http_mode_profiles_a_real_server(tiny_model_dir, tmp_path):
     decode = result["decode"]
     assert decode["steps"] >= 5
     assert decode["phase_ms"]["loop_gap"] > 0 and decode["loop_cpu_ms_per_step"] > 0
+    assert decode["host_cpu_ms_per_step"] > decode["loop_cpu_ms_per_step"] / 2  # the loop's and the step thread's
     assert result["itl_p50_ms"] > 0
 
 
@@ -114,4 +118,4 @@ def test_http_mode_profiles_the_engine_core_process(tiny_model_dir, tmp_path):
     assert result["step_loop"] == "process" and decode["steps"] >= 5
     # Recorded in the core: its hand-off of each step's outputs, no event loop of its own.
     assert 0 < decode["phase_ms"]["stream"] <= decode["phase_ms"]["loop_gap"]
-    assert "loop_cpu_ms_per_step" not in decode
+    assert "loop_cpu_ms_per_step" not in decode and "host_cpu_ms_per_step" not in decode
