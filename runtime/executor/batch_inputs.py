@@ -78,7 +78,7 @@ class PersistentBlockTables:
             # Through the table's numpy view: a list written there is one C loop, where a
             # torch.tensor and an index_put cost two dispatches (a decode step appends a block
             # to one sequence in block_size, every step).
-            target = self._rows[row]
+            target = self._table_view[row]
             if n_known < len(blocks) and blocks[:n_known] == known:
                 target[n_known : len(blocks)] = blocks[n_known:]
             else:
@@ -92,7 +92,7 @@ class PersistentBlockTables:
         row = self.rows.pop(request_id, None)
         if row is not None:
             self.known.pop(request_id)
-            self._rows[row] = 0
+            self._table_view[row] = 0
             self._free.append(row)
 
     def _widen(self, width: int) -> None:
@@ -102,7 +102,7 @@ class PersistentBlockTables:
 
     def _set_table(self, table: torch.Tensor) -> None:
         self.table, self.width = table, table.shape[1]
-        self._rows = table.numpy()  # shares the tensor's memory
+        self._table_view = table.numpy()  # shares the tensor's memory
 
     def _take_row(self) -> int:
         if not self._free:

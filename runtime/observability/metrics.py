@@ -336,8 +336,7 @@ class PrometheusMetrics:
         self._step = _StepSeries(self, model)
         self._kv_gauges: Optional[_KvGauges] = None
         self._request_gauges: Optional[tuple] = None  # (running, waiting) of the model
-        self._lane_series: dict[str, _LaneSeries] = {}
-        self._lanes: set[str] = set()
+        self._lane_series: dict[str, _LaneSeries] = {}  # of the configured lanes
         self._tenants: set[str] = set()
         self._restart_hash: Optional[str] = None
         # GPU utilization and memory, read from NVML at scrape time; absent without a GPU.
@@ -355,7 +354,7 @@ class PrometheusMetrics:
         """Export the budgets and watermarks of the config in force."""
         m = self.model
         lanes = {lane.name for lane in config.lanes}
-        for gone in self._lanes - lanes:
+        for gone in self._lane_series.keys() - lanes:
             for budget in BUDGET_KEYS:
                 _remove(self.lane_budget, m, gone, budget)
             for slo in SLO_KEYS:
@@ -398,7 +397,6 @@ class PrometheusMetrics:
         for tenant in tenants:
             self.tenant_throttled.labels(m, tenant)
         self._lane_series = {name: _LaneSeries(self, m, name) for name in sorted(lanes)}
-        self._lanes = lanes
         self._tenants = set(tenants)
         self.kv_watermark.labels(m, "high").set(config.scheduler.kv_cache_high_watermark)
         self.kv_watermark.labels(m, "reject").set(config.scheduler.kv_cache_reject_watermark)
@@ -449,7 +447,7 @@ class PrometheusMetrics:
                     per_lane.decode_tokens.inc(lane.decode_tokens)
                 if lane.time_capped:
                     per_lane.time_capped.inc()
-        lanes = self._lanes
+        lanes = self._lane_series
         for name, seconds in stats.kv_releases:
             self.kv_release.labels(self.model, name if name in lanes else UNKNOWN_LABEL).observe(seconds)
         self.set_occupancy(stats)
@@ -518,8 +516,8 @@ class PrometheusMetrics:
 
     def on_request_finished(self, request: Request) -> None:
         m, lane, tenant = self.model, request.lane, request.tenant
-        if self._lanes:  # label values stay bounded whatever a direct engine caller passed
-            lane = lane if lane in self._lanes else UNKNOWN_LABEL
+        if self._lane_series:  # label values stay bounded whatever a direct engine caller passed
+            lane = lane if lane in self._lane_series else UNKNOWN_LABEL
             tenant = tenant if tenant in self._tenants else UNKNOWN_LABEL
         reason = request.finish_reason or FinishReason.ERROR
         outcome = OUTCOME_OF_FINISH[reason]
@@ -561,7 +559,7 @@ class PrometheusMetrics:
         """A request the server refused with a 400 before admission (it never reached the
         engine): outcome="invalid", reason one of INVALID_REASONS or "other"; `endpoint` the
         path it was sent to (one of ENDPOINTS, else "other")."""
-        lane = lane if lane in self._lanes else UNKNOWN_LABEL
+        lane = lane if lane in self._lane_series else UNKNOWN_LABEL
         tenant = tenant if tenant in self._tenants else UNKNOWN_LABEL
         reason = reason if reason in INVALID_REASONS else "other"
         endpoint = endpoint if endpoint in ENDPOINTS else OTHER_ENDPOINT
