@@ -28,6 +28,8 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictStr,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
     model_validator,
 )
@@ -286,9 +288,71 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-TokenIds = list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]]
+def _json_kind(value: Any) -> str:
+    """How a JSON value reads in an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def token_ids(value: Any, where: str, param: str) -> list[int]:
+    """`value` as token ids: a JSON array of integers in [0, INT32_MAX] (an integral number
+    such as 3.0 is an integer, as in JSON Schema; true and "3" are not). ParamError naming the
+    first bad element otherwise.
+
+    The common case (every element a Python int within bounds) is three C-level passes with
+    no Python call per id: pydantic's per-element validators took 0.8 ms of the server's
+    event loop for a 512-token prompt.
+    """
+    if type(value) is not list:
+        raise ParamError(param, f"{where} must be an array of token ids, not {_json_kind(value)}")
+    if not value or (set(map(type, value)) == _INT_ONLY and min(value) >= 0 and max(value) <= INT32_MAX):
+        return value
+    ids = []
+    for i, v in enumerate(value):
+        if type(v) is float and v.is_integer():
+            v = int(v)
+        if type(v) is not int:
+            raise ParamError(param, f"{where}[{i}] must be a token id (an integer), not {_json_kind(v)}")
+        if not 0 <= v <= INT32_MAX:
+            raise ParamError(param, f"{where}[{i}]: token id {v} is outside [0, {INT32_MAX}]")
+        ids.append(v)
+    return ids
+
+
+_INT_ONLY = {int}  # bool is a subclass of int, not int: `type` tells them apart
+
+
+def _prompt(value: Any, _handler: ValidatorFunctionWrapHandler) -> Any:
+    """One prompt (text or token ids) or a batch of them, told apart by the first element;
+    the declared union stays the schema (OpenAPI), the checks are these."""
+    if isinstance(value, str):
+        return value
+    if type(value) is not list:
+        raise ParamError("prompt", "prompt must be a string, an array of strings, an array of token ids "
+                                   f"or an array of token-id arrays, not {_json_kind(value)}")
+    if not value:
+        return value  # CompletionRequest._prompts names the empty prompt
+    first = value[0]
+    if isinstance(first, str):
+        for i, text in enumerate(value):
+            if not isinstance(text, str):
+                raise ParamError("prompt", f"prompt[{i}] must be a string, as prompt[0] is, not {_json_kind(text)}")
+        return value
+    if type(first) is list:
+        return [token_ids(ids, f"prompt[{i}]", "prompt") for i, ids in enumerate(value)]
+    return token_ids(value, "prompt", "prompt")
+
+
+TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]  # the schema; `token_ids` checks
 # One prompt (text or token ids) or a batch of them (each its own engine request).
-Prompt = Union[str, TokenIds, list[str], list[TokenIds]]
+Prompt = Annotated[Union[str, TokenIds, list[str], list[TokenIds]], WrapValidator(_prompt)]
 
 
 class CompletionRequest(_SamplingFields):
@@ -547,13 +611,24 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
+MAX_DETOKENIZE_IDS = 1_000_000
+
+
+def _detokenize_ids(value: Any) -> list[int]:
+    ids = token_ids(value, "tokens", "tokens")
+    if len(ids) > MAX_DETOKENIZE_IDS:
+        raise ParamError("tokens", f"tokens holds {len(ids)} ids; at most {MAX_DETOKENIZE_IDS} are decoded at once")
+    return ids
+
+
 class DetokenizeRequest(BaseModel):
     """POST /detokenize (vLLM's shape)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[StrictStr] = None
-    tokens: TokenIds = Field(max_length=1_000_000)
+    tokens: Annotated[TokenIds, WrapValidator(lambda value, _handler: _detokenize_ids(value))] = Field(
+        max_length=MAX_DETOKENIZE_IDS)
 
 
 class DetokenizeResponse(BaseModel):

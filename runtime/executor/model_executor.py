@@ -499,10 +499,10 @@ class ModelExecutor:
         ids = chunk_token_ids(chunk)
         if request.sampling_params.prompt_logprobs is not None and end < request.num_prompt_tokens:
             ids = ids + [request.prompt_token_ids[end]]  # scored by this chunk's last row
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # no Python call per id
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             errors[request.request_id] = (
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
             return False
         return True
