@@ -39,6 +39,13 @@ def test_openapi_document_matches_the_server(shared_server):
     assert list(metrics) == ["text/plain"]
     # The declared content type is the one served.
     assert httpx.get(shared_server.url + "/metrics").headers["content-type"].startswith("text/plain")
+    # Token ids are declared with JSON Schema's bounds: from 0 to the vocabulary's last id.
+    vocab = shared_server.app.state.tokenlane.vocab_size
+    prompt_ids = [v for v in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+                  if v["type"] == "array" and v["items"].get("type") != "string"]
+    for items in [v["items"] for v in prompt_ids] + [schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]]:
+        items = items.get("items", items)  # a batch: an array of token-id arrays
+        assert (items["type"], items["minimum"], items["maximum"]) == ("integer", 0, vocab - 1), items
     # A declared 400 really is what a bad body gets, in the declared shape.
     r = httpx.post(shared_server.url + "/tokenize", json={"prompt": 1})
     assert r.status_code == 400 and set(r.json()["error"]) == set(schemas["ErrorDetail"]["properties"])
