@@ -73,6 +73,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from tokenlane.bench.host import host_info, host_line
+
 MODEL_KW = dict(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
                 vocab_size=32000, max_position_embeddings=4096)
 DEFAULT_MODEL_DIR = Path(tempfile.gettempdir()) / "tokenlane-step-profile-m19"
@@ -673,6 +675,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if min(args.running) < 2:
         p.error("--running must be >= 2")
     model_dir = ensure_model(args.model)
+    host = host_info()
+    print(host_line(host), flush=True)
     results = []
     if args.http:
         if _maybe_tokenizer(model_dir) is None:
@@ -701,7 +705,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     print(format_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        host["loadavg_1m_at_end"] = host_info(native=False)["loadavg_1m"]
+        Path(args.json).write_text(json.dumps([{**r, "host": host} for r in results], indent=2))
     return 0
 
 

@@ -28,6 +28,8 @@ def test_end_to_end_with_tokenlane_as_the_peer(tiny_model_dir, tmp_path, monkeyp
     doc = json.loads(out.read_text())
     assert doc["peer"] == "other"
     assert doc["workload"]["num_requests"] == 3
+    # The host class heads the report and is kept with the runs.
+    assert doc["host"]["isa_class"] and "loadavg_1m_at_end" in doc["host"]
     # One start per server: both concurrencies ran against it, so their start-up times are equal.
     first, cell = doc["cells"]
     assert [(c["dtype"], c["concurrency"]) for c in doc["cells"]] == [("float32", 1), ("float32", 2)]
@@ -51,6 +53,7 @@ def test_end_to_end_with_tokenlane_as_the_peer(tiny_model_dir, tmp_path, monkeyp
     assert (greedy["requests"], greedy["mismatched"]) == (2, 0)
     assert all(r["greedy"] and r["greedy"][0]["text"] for r in first["runs"])
     printed = capsys.readouterr().out
+    assert printed.startswith(f"host: {doc['host']['cpus']} CPUs of {doc['host']['cpu']}, {doc['host']['isa_class']}")
     assert "float32, concurrency 2 (1 pair; medians)" in printed and "greedy float32 outputs" in printed
 
 

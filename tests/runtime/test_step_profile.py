@@ -87,6 +87,7 @@ def test_offline_run_writes_table_and_json(tiny_model_dir, tmp_path, capsys):
     assert code == 0
     (result,) = json.loads(out.read_text())
     assert result["mode"] == "offline" and result["running"] == 3
+    assert result["host"]["isa_class"] and result["host"]["cpus"] >= 1
     for case in ("decode", "mixed"):
         assert result[case]["steps"] == 3, case
     table = format_table([result])
