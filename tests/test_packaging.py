@@ -43,6 +43,9 @@ def _package_dirs() -> dict[str, str]:
 
 
 PACKAGE_DIRS = _package_dirs()
+# Listed packages that hold data only (no __init__.py): the native kernels' C sources, which
+# a JIT build on the user's host compiles (setuptools ships a folder's data only if it is listed).
+DATA_PACKAGES = {"kernels/csrc": "tokenlane.kernels.csrc"}
 
 
 def _run(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -84,7 +87,7 @@ def test_every_package_folder_is_mapped_in_pyproject():
     mapping = setuptools_cfg["package-dir"]
     # Every folder holding Python modules is a listed package; subpackages follow their
     # top-level folder's mapping.
-    assert sorted(setuptools_cfg["packages"]) == sorted(PACKAGE_DIRS.values())
+    assert sorted(setuptools_cfg["packages"]) == sorted([*PACKAGE_DIRS.values(), *DATA_PACKAGES.values()])
     assert {v: k for k, v in mapping.items()} == TOP_LEVEL
     for folder, package in PACKAGE_DIRS.items():
         if folder not in TOP_LEVEL:
@@ -113,6 +116,9 @@ def test_wheel_contains_every_module_and_console_script(wheel):
             expected = package.replace(".", "/") + "/" + py.name
             assert expected in names, f"wheel lacks {expected}"
     assert "tokenlane/operator/__init__.py" not in names
+    for folder, package in DATA_PACKAGES.items():
+        sources = sorted(p.name for p in (ROOT / folder).iterdir() if p.suffix in (".c", ".h"))
+        assert sources and all(f"{package.replace('.', '/')}/{name}" in names for name in sources), folder
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "tokenlane = tokenlane.cli:main" in wheel.read(entry_points).decode()
 
