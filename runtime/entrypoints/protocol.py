@@ -301,6 +301,9 @@ def _json_kind(value: Any) -> str:
     return "an array" if isinstance(value, list) else "an object"
 
 
+_INT_ONLY = {int}  # bool is a subclass of int, not int: `type` tells them apart
+
+
 def token_ids(value: Any, where: str, param: str) -> list[int]:
     """`value` as token ids: a JSON array of integers in [0, INT32_MAX] (an integral number
     such as 3.0 is an integer, as in JSON Schema; true and "3" are not). ParamError naming the
@@ -308,7 +311,7 @@ def token_ids(value: Any, where: str, param: str) -> list[int]:
 
     The common case (every element a Python int within bounds) is three C-level passes with
     no Python call per id; a validator per element cost the event loop 9x as much
-    (docs/benchmarks.md, "Prompt token ids").
+    (docs/benchmarks.md, "Prompt token ids in one pass").
     """
     if type(value) is not list:
         raise ParamError(param, f"{where} must be an array of token ids, not {_json_kind(value)}")
@@ -324,9 +327,6 @@ def token_ids(value: Any, where: str, param: str) -> list[int]:
             raise ParamError(param, f"{where}[{i}]: token id {v} is outside [0, {INT32_MAX}]")
         ids.append(v)
     return ids
-
-
-_INT_ONLY = {int}  # bool is a subclass of int, not int: `type` tells them apart
 
 
 def _prompt(value: Any, _handler: ValidatorFunctionWrapHandler) -> Any:
@@ -614,7 +614,7 @@ class TokenizeResponse(BaseModel):
 MAX_DETOKENIZE_IDS = 1_000_000
 
 
-def _detokenize_ids(value: Any) -> list[int]:
+def _detokenize_tokens(value: Any, _handler: ValidatorFunctionWrapHandler) -> list[int]:
     ids = token_ids(value, "tokens", "tokens")
     if len(ids) > MAX_DETOKENIZE_IDS:
         raise ParamError("tokens", f"tokens holds {len(ids)} ids; at most {MAX_DETOKENIZE_IDS} are decoded at once")
@@ -627,8 +627,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[StrictStr] = None
-    tokens: Annotated[TokenIds, WrapValidator(lambda value, _handler: _detokenize_ids(value))] = Field(
-        max_length=MAX_DETOKENIZE_IDS)
+    tokens: Annotated[TokenIds, WrapValidator(_detokenize_tokens)] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
 class DetokenizeResponse(BaseModel):
