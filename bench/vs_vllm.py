@@ -365,6 +365,20 @@ class Cell:
         ours, theirs = self.medians(TOKENLANE), self.medians(peer)
         return {key: ours[key] / theirs[key] if ours[key] is not None and theirs[key] else None for key in METRICS}
 
+    def pair_ratios(self, peer: str) -> dict[str, list[Optional[float]]]:
+        """Each pair's own ratio per metric, in pair order: the spread behind the medians' ratio."""
+        by_pair: dict[int, dict[str, Run]] = {}
+        for run in self.runs:
+            by_pair.setdefault(run.pair, {})[run.server] = run
+        out: dict[str, list[Optional[float]]] = {key: [] for key in METRICS}
+        for pair in sorted(by_pair):
+            ours, theirs = by_pair[pair].get(TOKENLANE), by_pair[pair].get(peer)
+            for key in METRICS:
+                a = ours.metrics[key] if ours is not None else None
+                b = theirs.metrics[key] if theirs is not None else None
+                out[key].append(a / b if a is not None and b else None)
+        return out
+
 
 def compare_greedy(ours: list[dict], theirs: list[dict]) -> dict:
     """Token ids where both servers returned them, else the texts; every difference listed."""
@@ -386,11 +400,13 @@ def _fmt(key: str, value: Optional[float]) -> str:
 def format_cell(cell: Cell, peer: str) -> str:
     pairs = len([r for r in cell.runs if r.server == TOKENLANE])
     ours, theirs, ratios = cell.medians(TOKENLANE), cell.medians(peer), cell.ratios(peer)
+    per_pair = cell.pair_ratios(peer)
     lines = [f"{cell.label} ({pairs} pair{'s' if pairs != 1 else ''}; medians)",
-             f"  {'':<13} {TOKENLANE:>10} {peer:>10} {'ratio':>7}"]
+             f"  {'':<13} {TOKENLANE:>10} {peer:>10} {'ratio':>7}  per pair"]
     for key, label in METRICS.items():
         ratio = "-" if ratios[key] is None else f"{ratios[key]:.2f}"
-        lines.append(f"  {label:<13} {_fmt(key, ours[key]):>10} {_fmt(key, theirs[key]):>10} {ratio:>7}")
+        spread = ", ".join("-" if r is None else f"{r:.2f}" for r in per_pair[key])
+        lines.append(f"  {label:<13} {_fmt(key, ours[key]):>10} {_fmt(key, theirs[key]):>10} {ratio:>7}  {spread}")
     lines.append(f"  {'pair':>4} {'server':<10} {'start s':>8} {'wall s':>7} " +
                  " ".join(f"{label:>12}" for label in METRICS.values()) + f" {'failed':>6}")
     for r in cell.runs:
@@ -407,7 +423,7 @@ def report_doc(cells: list[Cell], peer: str, meta: dict, greedy: Optional[dict])
         "cells": [
             {"dtype": c.dtype, "concurrency": c.concurrency,
              "medians": {TOKENLANE: c.medians(TOKENLANE), peer: c.medians(peer)},
-             "ratios": c.ratios(peer), "runs": [asdict(r) for r in c.runs]}
+             "ratios": c.ratios(peer), "pair_ratios": c.pair_ratios(peer), "runs": [asdict(r) for r in c.runs]}
             for c in cells
         ],
         "greedy_check": greedy,

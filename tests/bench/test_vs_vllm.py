@@ -99,8 +99,15 @@ def test_cell_medians_and_ratios_come_from_each_servers_runs():
     assert ratios["output_tokens_per_s"] == 1.0
     assert ratios["tpot_p50_s"] == pytest.approx(1.0)
     assert ratios["ttft_p99_s"] is None  # no run measured it: no ratio rather than a made-up one
+    # Each pair's own ratio, in pair order: the spread the medians hide.
+    per_pair = cell.pair_ratios("vllm")
+    assert per_pair["output_tokens_per_s"] == pytest.approx([1 / 3, 1.5, 2.0])
+    assert per_pair["tpot_p50_s"] == pytest.approx([3.0, 2 / 3, 0.5])
+    assert per_pair["ttft_p99_s"] == [None, None, None]
     table = vs_vllm.format_cell(cell, "vllm")
     assert "bfloat16, concurrency 16 (3 pairs; medians)" in table
+    tok_row = next(line for line in table.splitlines() if line.strip().startswith("out tok/s"))
+    assert tok_row.rstrip().endswith("1.00  0.33, 1.50, 2.00")
     run_rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
     assert [row[:2] for row in run_rows] == [[str(p), s] for p in (1, 2, 3) for s in ("tokenlane", "vllm")]
 
