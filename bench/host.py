@@ -59,7 +59,7 @@ def host_info(env: Optional[Mapping[str, str]] = None, native: bool = True) -> d
         "isa_class": isa_class(flags, machine),
         "class_flags": [f for f in CLASS_FLAGS if f in flags],
         "isa_caps": isa_caps(env),
-        "loadavg_1m": _loadavg(),
+        "loadavg_1m": load_1m(),
     }
     if native:
         try:
@@ -95,8 +95,9 @@ def _cpu_model() -> str:
     return os.uname().machine
 
 
-def _loadavg() -> Optional[float]:
+def load_1m() -> Optional[float]:
+    """The one-minute load average (None where the OS has none)."""
     try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    except OSError:
         return None

@@ -73,7 +73,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from tokenlane.bench.host import host_info, host_line
+from tokenlane.bench.host import host_info, host_line, load_1m
 
 MODEL_KW = dict(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
                 vocab_size=32000, max_position_embeddings=4096)
@@ -705,7 +705,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     print(format_table(results))
     if args.json:
-        host["loadavg_1m_at_end"] = host_info(native=False)["loadavg_1m"]
+        host["loadavg_1m_at_end"] = load_1m()
         Path(args.json).write_text(json.dumps([{**r, "host": host} for r in results], indent=2))
     return 0
 

@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from tokenlane.bench.host import host_info, host_line
+from tokenlane.bench.host import host_info, host_line, load_1m
 from tokenlane.bench.loadgen import Target, _body, _one, resolve_model
 from tokenlane.bench.report import OK, TokenBins, percentile
 from tokenlane.bench.serve_proc import ServerProcess, parse_override, set_path
@@ -603,7 +603,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("greedy check skipped: no float32 cell in this run")
     if args.json:
         meta = {
-            "host": {**host, "loadavg_1m_at_end": host_info(native=False)["loadavg_1m"]},
+            "host": {**host, "loadavg_1m_at_end": load_1m()},
             "model": {"path": str(model), "generated_shape": None if args.model else MODEL_SHAPES[args.shape]},
             "workload": {"num_requests": len(planned), "seed": args.seed, "prompt_tokens": list(args.prompt_tokens),
                          "max_tokens": list(args.max_tokens), "prompt_token_total": sum(p.prompt_tokens for p in planned),
