@@ -26,9 +26,8 @@ def isa_class(flags: Iterable[str], machine: str = "x86_64") -> str:
     """The instruction-set class of a CPU from its /proc/cpuinfo flags."""
     flags = set(flags)
     if machine in ("aarch64", "arm64"):
-        extra = [name for name, flag in (("SVE2", "sve2"), ("SVE", "sve"), ("BF16", "bf16")) if flag in flags]
-        if "SVE2" in extra:
-            extra.remove("SVE")  # SVE2 implies SVE
+        vector = "SVE2" if "sve2" in flags else "SVE" if "sve" in flags else None  # SVE2 implies SVE
+        extra = [name for name in (vector, "BF16" if "bf16" in flags else None) if name]
         return "Arm NEON" + "".join(f" + {e}" for e in extra)
     if "avx512f" not in flags:
         return "AVX2-only" if "avx2" in flags else "pre-AVX2"
