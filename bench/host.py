@@ -17,6 +17,10 @@ from typing import Any, Iterable, Mapping, Optional
 # CPU has: tokenlane's native library, oneDNN, MKL and ATen.
 ISA_CAP_ENV = ("TOKENLANE_NATIVE_MAX_LEVEL", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 
+# `--isa-cap avx2` of the benchmarks: those variables' values that run the AVX2 code of each.
+ISA_CAPS = {"avx2": {"TOKENLANE_NATIVE_MAX_LEVEL": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                     "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+
 # The flags that set the class, in the order the report lists them.
 CLASS_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
                "asimd", "sve", "sve2", "bf16")

@@ -41,6 +41,13 @@ the median of each server's runs and the ratios tokenlane / peer. On the first f
 each server a few requests are also sent unstreamed and their greedy outputs compared
 (differences are reported, not hidden). --json writes everything, every request included.
 
+--isa-cap avx2 runs both servers' AVX2 code on a wider CPU (a labelled stand-in for an AVX2-only
+host, not one): tokenlane's native library, oneDNN, MKL and ATen held to AVX2 through their
+environment variables, and vLLM's own kernels through a sitecustomize (written into --workdir,
+first on the peer's PYTHONPATH) whose torch.cpu probes answer no AVX-512, no AMX: vLLM picks its
+_C_AVX2 library and attention variant from those probes, which read the CPU, not
+ATEN_CPU_CAPABILITY. The host line then says CAPPED.
+
 --peer-command replaces vLLM with any OpenAI-compatible server (the tests use a second
 `tokenlane serve`): a command line with {python}, {model}, {dtype} and {port} placeholders.
 """
@@ -62,7 +69,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from tokenlane.bench.host import host_info, host_line, load_1m
+from tokenlane.bench.host import ISA_CAPS, host_info, host_line, load_1m
 from tokenlane.bench.loadgen import Target, _body, _one, resolve_model
 from tokenlane.bench.report import OK, TokenBins, percentile
 from tokenlane.bench.serve_proc import ServerProcess, parse_override, set_path
@@ -98,6 +105,15 @@ if __name__ == "__main__":
 
     sys.argv[0] = "vllm"
     sys.exit(main())
+'''
+# What --isa-cap avx2 puts first on vLLM's PYTHONPATH (see the module's docstring).
+VLLM_AVX2_SITECUSTOMIZE = '''"""Hold vLLM to its AVX2 kernels: torch.cpu answers no AVX-512, no AMX."""
+import torch.cpu
+
+for _probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported",
+               "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, _probe):
+        setattr(torch.cpu, _probe, lambda: False)
 '''
 TOKENLANE = "tokenlane"
 # Per-run numbers compared across servers, with their table labels.
@@ -193,6 +209,23 @@ class PeerServer(ServerProcess):
 def vllm_argv(vllm_python: str, wrapper: Path, extra: list[str]) -> list[str]:
     return [vllm_python, str(wrapper), "serve", "{model}", "--host", "127.0.0.1", "--port", "{port}",
             "--dtype", "{dtype}", *extra]
+
+
+def isa_cap_envs(cap: Optional[str], workdir: Path, vllm: bool,
+                 peer_env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment --isa-cap adds for tokenlane and for the peer (the peer's own --peer-env
+    wins, and a PYTHONPATH given there stays on the path, after the cap's folder)."""
+    if cap is None:
+        return {}, peer_env
+    cap_env = ISA_CAPS[cap]
+    peer = {**cap_env, **peer_env}
+    if vllm:
+        folder = workdir / f"vllm-{cap}-cap"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sitecustomize.py").write_text(VLLM_AVX2_SITECUSTOMIZE)
+        rest = peer_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        peer["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), rest) if p)
+    return dict(cap_env), peer
 
 
 def tokenlane_config(model: Path, dtype: str, overrides: list[str]) -> dict:
@@ -482,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the peer (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for `vllm serve`, written --vllm-arg=--flag=value (repeatable)")
+    p.add_argument("--isa-cap", choices=sorted(ISA_CAPS), default=None,
+                   help="run both servers' AVX2 code on this wider CPU (labelled CAPPED; see above)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="tokenlane config override, e.g. engine.blockSize=32 (repeatable)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder both servers load "
@@ -513,6 +548,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.vllm_python) == bool(args.peer_command):
         parser.error("give exactly one of --vllm-python and --peer-command")
+    if args.isa_cap and os.uname().machine not in ("x86_64", "AMD64"):
+        parser.error(f"--isa-cap {args.isa_cap}: an x86-64 cap, and this host is {os.uname().machine}")
     if args.pairs < 1 or args.num_requests < 1 or args.greedy_requests < 0:
         parser.error("--pairs and --num-requests must be >= 1, --greedy-requests >= 0")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tokenlane-vs-vllm-"))
@@ -542,7 +579,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         peer = args.peer_name or "peer"
     if peer == TOKENLANE:
         parser.error(f"--peer-name must not be {TOKENLANE!r}")
-    thread_env = default_thread_env()
+    cap_env, peer_env = isa_cap_envs(args.isa_cap, workdir, bool(args.vllm_python), peer_env)
+    thread_env = {**default_thread_env(), **cap_env}
+    # This process too, so that the host line loads and names the capped native library.
+    os.environ.update(cap_env)
 
     planned = make_workload(args.num_requests, args.seed, args.prompt_tokens, args.max_tokens)
     greedy_probes = [PlannedRequest(index=p.index, arrival_s=0.0, lane=None, tenant="bench", prompt_tokens=p.prompt_tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from tokenlane.bench import vs_vllm
+from tokenlane.bench.host import ISA_CAPS
 
 PEER_COMMAND = (f"{sys.executable} -m tokenlane.cli serve --model {{model}} --dtype {{dtype}} "
                 "--host 127.0.0.1 --port {port} --log-level warning --shutdown-grace-seconds 1")
@@ -146,6 +148,27 @@ def test_vllm_wrapper_reports_the_version_only_for_vllm(tmp_path):
     import yaml
 
     assert out.stdout.split() == [vs_vllm.VLLM_VERSION, yaml.__version__]
+
+
+def test_isa_cap_holds_both_servers_and_vllms_own_kernels_to_avx2(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/from/the/caller")
+    tokenlane_env, peer_env = vs_vllm.isa_cap_envs("avx2", tmp_path, True,
+                                                   {"HF_HUB_OFFLINE": "1", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"})
+    assert tokenlane_env == ISA_CAPS["avx2"] and tokenlane_env["TOKENLANE_NATIVE_MAX_LEVEL"] == "x86-64-v3"
+    assert peer_env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and peer_env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert peer_env["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2" and peer_env["HF_HUB_OFFLINE"] == "1"  # --peer-env wins
+    folder, rest = peer_env["PYTHONPATH"].split(os.pathsep)
+    assert rest == "/from/the/caller"  # the caller's path stays, after the cap's folder
+    # vLLM picks _C_AVX2 from these probes: with the folder on its path, a fresh python answers no.
+    probe = ("import torch.cpu as c; print(c._is_avx512_supported(), c._is_avx512_bf16_supported(), "
+             "c._is_amx_tile_supported())")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": folder},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False"]
+    # Another peer gets the variables, no sitecustomize; no cap adds nothing.
+    _, other = vs_vllm.isa_cap_envs("avx2", tmp_path / "other", False, {})
+    assert other == ISA_CAPS["avx2"] and not (tmp_path / "other").exists()
+    assert vs_vllm.isa_cap_envs(None, tmp_path, True, {"A": "1"}) == ({}, {"A": "1"})
 
 
 def test_needs_exactly_one_peer(capsys):
