@@ -6,6 +6,7 @@
     python -m tokenlane.bench.step_profile --http --step-loop thread process
     python -m tokenlane.bench.step_profile --http --step-loop thread process --cpu-bind 0
     python -m tokenlane.bench.step_profile --attention-backend torch native --rounds 2
+    python -m tokenlane.bench.step_profile --http --isa-cap avx2          # the AVX2 code, CAPPED
     python -m tokenlane.bench.step_profile --json out.json
 
 Offline, an `LLMEngine` with a `ModelExecutor` runs N sequences (prompts U[16, 512] tokens
@@ -73,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from tokenlane.bench.host import host_info, host_line, load_1m
+from tokenlane.bench.host import ISA_CAPS, host_info, host_line, load_1m
 
 MODEL_KW = dict(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
                 vocab_size=32000, max_position_embeddings=4096)
@@ -670,10 +671,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "loop: what streaming costs the step), run alternately (default stream)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the alternation (default 1)")
     p.add_argument("--max-tokens", type=int, default=96, help="--http: tokens per request (default 96)")
+    p.add_argument("--isa-cap", choices=sorted(ISA_CAPS), default=None,
+                   help="run the AVX2 code of tokenlane's native kernels, oneDNN, MKL and ATen on this wider "
+                        "CPU (their environment variables; the host line says CAPPED)")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     if min(args.running) < 2:
         p.error("--running must be >= 2")
+    if args.isa_cap:
+        if os.uname().machine not in ("x86_64", "AMD64"):
+            p.error(f"--isa-cap {args.isa_cap}: an x86-64 cap, and this host is {os.uname().machine}")
+        cap_env = ISA_CAPS[args.isa_cap]
+        if any(os.environ.get(k) != v for k, v in cap_env.items()):
+            # Each library reads its cap once, when it loads: profile in a process started with them.
+            return subprocess.call([sys.executable, "-m", "tokenlane.bench.step_profile", *argv],
+                                   env={**os.environ, **cap_env})
     model_dir = ensure_model(args.model)
     host = host_info()
     print(host_line(host), flush=True)

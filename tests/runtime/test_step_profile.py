@@ -4,11 +4,15 @@ on a real engine with the tiny model; the table and JSON come out of a short off
 from __future__ import annotations
 
 import json
+import platform
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tokenlane.bench import step_profile
+from tokenlane.bench.host import ISA_CAPS
 from tokenlane.bench.step_profile import (
     ENGINE_PHASES,
     FORWARD_PHASES,
@@ -93,6 +97,25 @@ def test_offline_run_writes_table_and_json(tiny_model_dir, tmp_path, capsys):
     table = format_table([result])
     assert "offline fp32 N=3 decode" in table and "host overhead share" in table
     assert table in capsys.readouterr().out
+
+
+def test_isa_cap_profiles_in_a_process_started_with_the_caps(tiny_model_dir, tmp_path, monkeypatch):
+    """--isa-cap avx2: the run happens in a fresh process with the four variables set, so that
+    torch and the native library load capped, and its host line says so."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 cap")
+    for name in ISA_CAPS["avx2"]:
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "tokenlane.bench.step_profile", "--model", str(tiny_model_dir),
+                           "--running", "2", "--steps", "2", "--isa-cap", "avx2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = json.loads(out.read_text())
+    assert result["host"]["isa_caps"] == ISA_CAPS["avx2"]
+    assert "CAPPED" in done.stdout
+    native = result["host"]["native_kernels"]
+    assert "x86-64-v4" not in native, native  # no AVX-512 library under the cap
 
 
 def test_a_model_folder_without_config_is_refused(tmp_path):
