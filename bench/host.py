@@ -21,6 +21,13 @@ ISA_CAP_ENV = ("TOKENLANE_NATIVE_MAX_LEVEL", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_I
 ISA_CAPS = {"avx2": {"TOKENLANE_NATIVE_MAX_LEVEL": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2",
                      "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 
+
+def isa_cap_refusal(cap: str) -> Optional[str]:
+    """Why --isa-cap `cap` cannot run on this host (None: it can)."""
+    machine = os.uname().machine
+    return None if machine in ("x86_64", "AMD64") else f"--isa-cap {cap}: an x86-64 cap, and this host is {machine}"
+
+
 # The flags that set the class, in the order the report lists them.
 CLASS_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
                "asimd", "sve", "sve2", "bf16")

@@ -74,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from tokenlane.bench.host import ISA_CAPS, host_info, host_line, load_1m
+from tokenlane.bench.host import ISA_CAPS, host_info, isa_cap_refusal, host_line, load_1m
 
 MODEL_KW = dict(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
                 vocab_size=32000, max_position_embeddings=4096)
@@ -679,8 +679,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if min(args.running) < 2:
         p.error("--running must be >= 2")
     if args.isa_cap:
-        if os.uname().machine not in ("x86_64", "AMD64"):
-            p.error(f"--isa-cap {args.isa_cap}: an x86-64 cap, and this host is {os.uname().machine}")
+        if isa_cap_refusal(args.isa_cap):
+            p.error(isa_cap_refusal(args.isa_cap))
         cap_env = ISA_CAPS[args.isa_cap]
         if any(os.environ.get(k) != v for k, v in cap_env.items()):
             # Each library reads its cap once, when it loads: profile in a process started with them.

@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from tokenlane.bench.host import ISA_CAPS, host_info, host_line, load_1m
+from tokenlane.bench.host import ISA_CAPS, host_info, isa_cap_refusal, host_line, load_1m
 from tokenlane.bench.loadgen import Target, _body, _one, resolve_model
 from tokenlane.bench.report import OK, TokenBins, percentile
 from tokenlane.bench.serve_proc import ServerProcess, parse_override, set_path
@@ -548,8 +548,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.vllm_python) == bool(args.peer_command):
         parser.error("give exactly one of --vllm-python and --peer-command")
-    if args.isa_cap and os.uname().machine not in ("x86_64", "AMD64"):
-        parser.error(f"--isa-cap {args.isa_cap}: an x86-64 cap, and this host is {os.uname().machine}")
+    if args.isa_cap and isa_cap_refusal(args.isa_cap):
+        parser.error(isa_cap_refusal(args.isa_cap))
     if args.pairs < 1 or args.num_requests < 1 or args.greedy_requests < 0:
         parser.error("--pairs and --num-requests must be >= 1, --greedy-requests >= 0")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tokenlane-vs-vllm-"))
