@@ -290,21 +290,42 @@ def test_no_compiler_falls_back_to_torch_with_the_reason(monkeypatch, tmp_path):
         api.resolve_backend("native", cpu)
 
 
-def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
+# A compiler that refuses -fopenmp: the developer build falls back to the kernels' own pthreads.
+NO_OPENMP = native_build.OPENMP_FLAGS + ("-fno-such-option-here",)
+
+
+def load_pthread_build(monkeypatch, cache) -> None:
+    """The next load is the developer build with a compiler that refuses -fopenmp, from `cache`."""
+    needs_compiler()
+    monkeypatch.setattr(native_build, "OPENMP_FLAGS", NO_OPENMP)
+    fresh_load(monkeypatch, jit=True)
+    monkeypatch.setenv(cpu_native.CACHE_ENV, str(cache))
+
+
+@pytest.fixture(scope="module")
+def pthread_build(tmp_path_factory):
+    """One developer build (about 20 s of compiling on 2 cores) into a fresh cache directory,
+    shared by the tests that read it: (the directory, its libraries just after the build, their
+    modification times). The loaded library is put back afterwards."""
+    cache = tmp_path_factory.mktemp("jit-cache")
+    with pytest.MonkeyPatch.context() as mp:  # left before the tests run: they load it themselves
+        load_pthread_build(mp, cache)
+        assert cpu_native.available(), cpu_native.load_error()
+    built = sorted((cache / "native").iterdir())
+    return cache, [p.name for p in built], [p.stat().st_mtime_ns for p in built]
+
+
+def test_build_is_cached_per_source_and_machine(monkeypatch, pthread_build):
     """The developer build: a fresh cache directory gets one library named by the key; a
     second load reuses it."""
-    needs_compiler()
-    fresh_load(monkeypatch, jit=True)
-    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
+    cache, built, mtimes = pthread_build
+    assert len(built) == 1 and built[0].startswith("cpu_native-") and built[0].endswith(".so")
+    load_pthread_build(monkeypatch, cache)
     assert cpu_native.available(), cpu_native.load_error()
     assert cpu_native.loaded_library().jit and cpu_native.loaded_library().level == "native"
-    built = sorted(p.name for p in (tmp_path / "native").iterdir())
-    assert len(built) == 1 and built[0].startswith("cpu_native-") and built[0].endswith(".so")
-    mtime = (tmp_path / "native" / built[0]).stat().st_mtime_ns
-    fresh_load(monkeypatch, jit=True)
-    assert cpu_native.available()
-    assert (tmp_path / "native" / built[0]).stat().st_mtime_ns == mtime
-    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == built
+    assert cpu_native.loaded_library().path == cache / "native" / built[0]
+    assert [p.stat().st_mtime_ns for p in sorted((cache / "native").iterdir())] == mtimes
+    assert sorted(p.name for p in (cache / "native").iterdir()) == built
 
 
 def test_the_kernel_threads_are_the_callers_openmp_team():
@@ -324,17 +345,14 @@ def test_the_kernel_threads_are_the_callers_openmp_team():
     assert len(maps) == 1, maps
 
 
-def test_without_openmp_the_pthread_build_gives_the_same_results(monkeypatch, tmp_path, kcase):
+def test_without_openmp_the_pthread_build_gives_the_same_results(monkeypatch, pthread_build, kcase):
     """A compiler that refuses -fopenmp: the build falls back to the kernel's own pthreads (the
     launcher's other branch), with the same results on two threads."""
-    needs_compiler()
-    monkeypatch.setattr(native_build, "OPENMP_FLAGS", native_build.OPENMP_FLAGS + ("-fno-such-option-here",))
-    fresh_load(monkeypatch, jit=True)
-    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
+    cache, built, _ = pthread_build
+    load_pthread_build(monkeypatch, cache)
     assert cpu_native.available(), cpu_native.load_error()
-    built = list((tmp_path / "native").iterdir())
-    assert len(built) == 1
-    assert "gomp" not in subprocess.run(["ldd", str(built[0])], capture_output=True, text=True).stdout
+    assert "gomp" not in subprocess.run(["ldd", str(cache / "native" / built[0])], capture_output=True,
+                                        text=True).stdout
     rng = random.Random(7)
     shapes = [(rng.randint(16, 300), 1) for _ in range(32)]
     case = kcase.build([c for c, _ in shapes], [q for _, q in shapes], num_heads=8,
@@ -776,18 +794,20 @@ def test_bf16_panel_linear_matches_float64(rows, k, n, with_bias):
 
 
 def test_bf16_panel_linear_without_native_bf16_widens_the_weights(monkeypatch, tmp_path):
-    """The build for a CPU without AVX512-BF16 (forced with -mno-avx512bf16 where it has it):
-    [K][width] panels widened to float32 as they are read, the same results. (The prebuilt
-    x86-64-v4 library is that build too: tests/kernels/test_native_build.py runs it.)"""
-    needs_compiler()
-    probe = subprocess.run([native_build.compiler(), "-mno-avx512bf16", "-x", "c", "-", "-o", "/dev/null"],
-                           input="int main(void) { return 0; }", capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"this compiler does not take -mno-avx512bf16: {probe.stderr[-300:]}")
-    monkeypatch.setattr(cpu_native, "JIT_FLAGS", cpu_native.JIT_FLAGS + ("-mno-avx512bf16",))
-    fresh_load(monkeypatch, jit=True)
-    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
-    assert cpu_native.available(), cpu_native.load_error()
+    """The build for a CPU without AVX512-BF16: [K][width] panels widened to float32 as they
+    are read, the same results. On such a CPU that is the library loaded already (the prebuilt
+    x86-64-v3 and x86-64-v4 libraries are that build: tests/kernels/test_native_build.py runs
+    them); where the CPU has AVX512-BF16, a developer build with -mno-avx512bf16."""
+    if cpu_native.panel_bf16_pairs():
+        needs_compiler()
+        probe = subprocess.run([native_build.compiler(), "-mno-avx512bf16", "-x", "c", "-", "-o", "/dev/null"],
+                               input="int main(void) { return 0; }", capture_output=True, text=True)
+        if probe.returncode != 0:
+            pytest.skip(f"this compiler does not take -mno-avx512bf16: {probe.stderr[-300:]}")
+        monkeypatch.setattr(cpu_native, "JIT_FLAGS", cpu_native.JIT_FLAGS + ("-mno-avx512bf16",))
+        fresh_load(monkeypatch, jit=True)
+        monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
+        assert cpu_native.available(), cpu_native.load_error()
     assert not cpu_native.panel_bf16_pairs()
     for rows, k, n in BF16_PANEL_CASES:
         check_bf16_panels(rows, k, n, with_bias=True)

@@ -229,7 +229,9 @@ def test_a_native_library_without_fp8_falls_back_to_the_torch_path(kcase, monkey
 # --------------------------------------------------------------------------- the engine
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+# e5m2 through the engine in the slow run: both formats' kernels are checked against the
+# reference above, and one engine run through the interpreter costs about 15 s.
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", pytest.param("fp8_e5m2", marks=pytest.mark.slow)])
 def test_the_engine_generates_through_the_triton_kernels(tiny_model_dir, kv_cache_dtype, monkeypatch):
     """Chunked prefills over cached fp8 context and decodes, through the Triton kernels (the
     interpreter on the CPU): every request completes and no block leaks; the calibrated scales
