@@ -10,7 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --system
 export TOKENLANE_TEST_TORCH_THREADS=${TOKENLANE_TEST_TORCH_THREADS:-2}
-if [[ $# -eq 0 ]]; then
-  set -- -m "not slow and not e2e and not gpu and not images"
-fi
-exec .venv/bin/python -m pytest "$@"
+# The default selection unless the caller picks one with -m: `scripts/test.sh tests/runtime -x`
+# leaves the opt-in tiers out too.
+for arg in "$@"; do
+  if [[ "$arg" == -m* ]]; then
+    exec .venv/bin/python -m pytest "$@"
+  fi
+done
+exec .venv/bin/python -m pytest -m "not slow and not e2e and not gpu and not images" "$@"
