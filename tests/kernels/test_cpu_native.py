@@ -306,9 +306,10 @@ def load_pthread_build(monkeypatch, cache) -> None:
 def pthread_build(tmp_path_factory):
     """One developer build (about 20 s of compiling on 2 cores) into a fresh cache directory,
     shared by the tests that read it: (the directory, its libraries just after the build, their
-    modification times). The loaded library is put back afterwards."""
+    modification times). The library loaded before is put back at once: each test loads the
+    build itself, from the cache."""
     cache = tmp_path_factory.mktemp("jit-cache")
-    with pytest.MonkeyPatch.context() as mp:  # left before the tests run: they load it themselves
+    with pytest.MonkeyPatch.context() as mp:
         load_pthread_build(mp, cache)
         assert cpu_native.available(), cpu_native.load_error()
     built = sorted((cache / "native").iterdir())
