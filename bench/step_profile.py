@@ -679,8 +679,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if min(args.running) < 2:
         p.error("--running must be >= 2")
     if args.isa_cap:
-        if isa_cap_refusal(args.isa_cap):
-            p.error(isa_cap_refusal(args.isa_cap))
+        if refusal := isa_cap_refusal(args.isa_cap):
+            p.error(refusal)
         cap_env = ISA_CAPS[args.isa_cap]
         if any(os.environ.get(k) != v for k, v in cap_env.items()):
             # Each library reads its cap once, when it loads: profile in a process started with them.

@@ -548,8 +548,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.vllm_python) == bool(args.peer_command):
         parser.error("give exactly one of --vllm-python and --peer-command")
-    if args.isa_cap and isa_cap_refusal(args.isa_cap):
-        parser.error(isa_cap_refusal(args.isa_cap))
+    if args.isa_cap and (refusal := isa_cap_refusal(args.isa_cap)):
+        parser.error(refusal)
     if args.pairs < 1 or args.num_requests < 1 or args.greedy_requests < 0:
         parser.error("--pairs and --num-requests must be >= 1, --greedy-requests >= 0")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tokenlane-vs-vllm-"))
