@@ -33,6 +33,9 @@ MIXED = [(37, 1), (1, 1), (120, 1), (96, 1), (50, 9), (17, 17), (64, 1), (5, 0),
          (90, 32), (2, 1), (119, 1), (8, 1), (16, 1), (45, 1)]
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
+# Each numeric test runs on every prebuilt level this CPU runs (tests/conftest.py, native_levels).
+every_level = pytest.mark.usefixtures("native_level")
+
 
 def run(case, threads=1, query_dtype=torch.float32):
     query = case.query.to(query_dtype)
@@ -58,6 +61,7 @@ def _one_torch_thread(one_torch_thread):  # tests/conftest.py
     yield
 
 
+@every_level
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
@@ -74,6 +78,7 @@ def test_mixed_batch_matches_dense_reference(kcase, group, head_dim, cache_dtype
     check(run(case), case, kcase)
 
 
+@every_level
 @pytest.mark.parametrize("head_dim, group", [(31, 17), (63, 18), (126, 34)])
 def test_generic_shapes_are_not_taken_for_vector_path_shapes(kcase, head_dim, group):
     """The kernel picks its path by (head size, group): shapes whose old key d * 16 + G equals
@@ -83,6 +88,7 @@ def test_generic_shapes_are_not_taken_for_vector_path_shapes(kcase, head_dim, gr
     check(run(case), case, kcase)
 
 
+@every_level
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_many_decodes_on_threads_match_torch_path(kcase, threads, cache_dtype):
@@ -100,6 +106,7 @@ def test_many_decodes_on_threads_match_torch_path(kcase, threads, cache_dtype):
     torch.testing.assert_close(got, torch_path, atol=2e-5, rtol=2e-5)
 
 
+@every_level
 @pytest.mark.parametrize("group", [1, 2, 8])
 def test_few_decodes_on_two_threads_split_by_head(kcase, group):
     """Fewer decodes than 4 per thread, with enough work for both threads: the work is cut
@@ -113,6 +120,7 @@ def test_few_decodes_on_two_threads_split_by_head(kcase, group):
     check(run(case, threads=2), case, kcase)
 
 
+@every_level
 def test_bf16_queries_write_bf16_rows(kcase):
     """A bf16 model computing in bf16: queries are widened, the output rounded back."""
     case = kcase.build([c for c, _ in MIXED], [q for _, q in MIXED], num_heads=4,
@@ -124,6 +132,7 @@ def test_bf16_queries_write_bf16_rows(kcase):
     torch.testing.assert_close(got, paged_attention_ref(*args), atol=1.6e-2, rtol=1.6e-2)
 
 
+@every_level
 def test_large_pool_and_long_tables(kcase):
     """Thousands of blocks and tables with hundreds of entries (block size 1)."""
     rng = random.Random(1)
@@ -140,6 +149,7 @@ def test_large_pool_and_long_tables(kcase):
 PREFILL = [(130, 130), (700, 40), (2, 2), (33, 17), (16, 16), (95, 31), (64, 1), (300, 9)]
 
 
+@every_level
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [32, 64])
@@ -160,6 +170,7 @@ def test_prefill_chunks_match_dense_reference(kcase, monkeypatch, group, head_di
     assert calls == [1]
 
 
+@every_level
 def test_prefill_kernel_refuses_what_it_does_not_take(kcase, monkeypatch):
     """Head sizes other than 32 and 64 stay on the torch path (any GQA ratio up to MAX_GROUP
     is taken); the launcher refuses them and bad indices (nothing written)."""
@@ -169,11 +180,11 @@ def test_prefill_kernel_refuses_what_it_does_not_take(kcase, monkeypatch):
     assert not cpu_native.prefill_supported(64, cpu_native.MAX_GROUP + 1)
     assert not cpu_native.prefill_supported(128, 4) and not cpu_native.prefill_supported(16, 2)
     calls = []
-    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **k: calls.append(1))
-    case = kcase.build([90, 20], [30, 20], num_heads=8, num_kv_heads=2, head_dim=128)
-    check(run(case), case, kcase)  # the torch path
+    with monkeypatch.context() as patched:
+        patched.setattr(cpu_native, "paged_prefill_attention", lambda *a, **k: calls.append(1))
+        case = kcase.build([90, 20], [30, 20], num_heads=8, num_kv_heads=2, head_dim=128)
+        check(run(case), case, kcase)  # the torch path
     assert calls == []
-    monkeypatch.undo()
     case = kcase.build([90, 20], [30, 20], num_heads=4, num_kv_heads=2, head_dim=32)
     out = case.query.new_full(case.query.shape, float("nan"))
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)
@@ -200,6 +211,7 @@ def test_prefill_kernel_refuses_what_it_does_not_take(kcase, monkeypatch):
     assert torch.isnan(out).all()
 
 
+@every_level
 def test_api_dispatch_and_backend_resolution(kcase):
     cpu = torch.device("cpu")
     assert api.resolve_backend("auto", cpu) == "native"
@@ -213,6 +225,7 @@ def test_api_dispatch_and_backend_resolution(kcase):
     check(got, case, kcase)
 
 
+@every_level
 def test_launcher_rejects_bad_inputs(kcase):
     case = kcase.build([40, 7], [1, 1], num_heads=4, num_kv_heads=2, head_dim=32)
     q, k, v, tables = case.query, case.key_cache, case.value_cache, case.block_tables
@@ -329,6 +342,7 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, pthread_build):
     assert sorted(p.name for p in (cache / "native").iterdir()) == built
 
 
+@every_level
 def test_the_kernel_threads_are_the_callers_openmp_team():
     """Built with OpenMP, the kernel runs on the caller's OpenMP team: with torch in the process,
     torch's own thread pool (one libgomp mapped), not threads of its own that would share the
@@ -361,6 +375,7 @@ def test_without_openmp_the_pthread_build_gives_the_same_results(monkeypatch, pt
     check(run(case, threads=2), case, kcase)
 
 
+@every_level
 @pytest.mark.skipif(shutil.which("objdump") is None or platform.machine() not in ("x86_64", "AMD64"),
                     reason="needs objdump on x86-64")
 def test_the_built_kernel_keeps_its_prefetches():
@@ -373,6 +388,7 @@ def test_the_built_kernel_keeps_its_prefetches():
     assert kept, "the built library has no prefetch instruction"
 
 
+@every_level
 @pytest.mark.parametrize("threads", [1, 2])
 def test_argmax_rows_matches_torch_including_ties_nan_and_inf(threads):
     torch.set_num_threads(threads)  # [9, 32000] is split over the threads
@@ -426,6 +442,7 @@ def _kv_write_case(cache_dtype, num_tokens=37, hkv=4, d=64, block_size=16, num_b
     return key, value, caches, slots
 
 
+@every_level
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
 def test_kv_write_is_bit_exact_with_the_torch_write(cache_dtype):
     from tokenlane.kernels.reference import write_kv_cache_ref
@@ -447,6 +464,7 @@ def assert_same_bits(got, want):
     assert bool(same.all()), f"{int((~same).sum())} elements differ"
 
 
+@every_level
 def test_kv_write_copies_rows_already_in_the_cache_dtype():
     from tokenlane.kernels.reference import write_kv_cache_ref
 
@@ -459,6 +477,7 @@ def test_kv_write_copies_rows_already_in_the_cache_dtype():
     assert_same_bits(vc, want_v)
 
 
+@every_level
 def test_kv_write_dispatch_and_refusals(monkeypatch):
     key, value, (kc, vc), slots = _kv_write_case(torch.float32, seed=2)
     calls = []
@@ -498,6 +517,7 @@ def _rope_case(cache_dtype, hq, hkv, d, num_tokens=23, block_size=16, num_blocks
     return qkv, cos, signed_sin(sin), caches, slots
 
 
+@every_level
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("hq, hkv, d", [(8, 4, 32), (4, 4, 64), (32, 8, 128), (6, 2, 10)])
 def test_rope_write_kv_is_bitwise_the_torch_ops(cache_dtype, hq, hkv, d):
@@ -519,6 +539,7 @@ def test_rope_write_kv_is_bitwise_the_torch_ops(cache_dtype, hq, hkv, d):
     assert_same_bits(vc, want_v)
 
 
+@every_level
 def test_rope_write_kv_refusals_leave_everything_as_it_was():
     qkv, cos, sin, (kc, vc), slots = _rope_case(torch.float32, 8, 4, 32)
     before = qkv.clone()
@@ -539,6 +560,15 @@ def test_rope_write_kv_refusals_leave_everything_as_it_was():
     assert bool(kc.isnan().all())
 
 
+@every_level
+def test_each_level_runs_its_own_library(native_level):
+    """The per-level fixture swaps the library itself, not just its name: the level loaded and
+    its panel width (four float vectors: 64 columns with AVX-512, 32 with AVX2)."""
+    assert cpu_native.loaded_library() == native_level
+    if native_level.level.startswith("x86-64"):
+        assert cpu_native.panel_width() == (64 if native_level.level.startswith("x86-64-v4") else 32)
+
+
 # ------------------------------------------------------------------ RMSNorm
 
 def _torch_rms_norm(x, weight, eps):
@@ -546,6 +576,7 @@ def _torch_rms_norm(x, weight, eps):
     return api.rms_norm(x, weight, eps, backend="torch")
 
 
+@every_level
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows, cols", [(1, 256), (16, 256), (64, 4096), (2048, 256), (7, 13), (3, 1)])
 def test_rms_norm_matches_torch_and_float64(rows, cols, threads):
@@ -566,6 +597,7 @@ def test_rms_norm_matches_torch_and_float64(rows, cols, threads):
     torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
 
 
+@every_level
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows, cols", [(1, 256), (16, 256), (64, 4096), (2048, 256), (7, 13)])
 def test_bf16_rms_norm_rounds_as_transformers(rows, cols, threads):
@@ -593,6 +625,7 @@ def test_bf16_rms_norm_rounds_as_transformers(rows, cols, threads):
     assert torch.equal(cpu_native.rms_norm(ints, weight, 1e-6), _torch_rms_norm(ints, weight, 1e-6))
 
 
+@every_level
 def test_rms_norm_takes_strided_rows_and_refuses_what_it_cannot():
     gen = torch.Generator().manual_seed(1)
     base = torch.randn(6, 80, generator=gen)
@@ -615,6 +648,7 @@ def test_rms_norm_takes_strided_rows_and_refuses_what_it_cannot():
 # ------------------------------------------------------------------ the panel linear (decode-sized products)
 
 
+@every_level
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows, k, n", [
@@ -642,6 +676,7 @@ def test_panel_linear_matches_float64(rows, k, n, with_bias, threads):
     assert torch.equal(linear(x), got)
 
 
+@every_level
 def test_panel_linear_is_exact_where_every_order_is():
     """Small integers: every partial sum is exact in float32, so the products are F.linear's
     to the bit (and a padded panel column never leaks into the output)."""
@@ -652,6 +687,7 @@ def test_panel_linear_is_exact_where_every_order_is():
     assert torch.equal(cpu_native.PanelLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
 
 
+@every_level
 def test_panel_linear_takes_strided_and_batched_inputs():
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(80, 64, generator=gen)
@@ -664,6 +700,7 @@ def test_panel_linear_takes_strided_and_batched_inputs():
     torch.testing.assert_close(linear(columns), columns @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@every_level
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -689,6 +726,7 @@ def test_panel_argmax_is_the_argmax_of_the_panel_sums(rows, k, n, with_bias, thr
     assert got.dtype == torch.int64 and torch.equal(got, want)
 
 
+@every_level
 def test_bf16_panel_argmax_breaks_ties_of_the_rounded_sums():
     """Sums that differ in float32 but round to the same bf16 value tie, as in the bf16 logits
     the unfused path would compare: the first column wins; NaN gives up."""
@@ -706,6 +744,7 @@ def test_bf16_panel_argmax_breaks_ties_of_the_rounded_sums():
     assert linear.argmax(nan) is None
 
 
+@every_level
 def test_panel_argmax_ties_infinities_and_nans():
     """Ties go to the first column (torch.argmax's rule) wherever they fall: in one vector lane,
     across lanes, panels and threads; a row of -inf is column 0; a NaN sum makes it give up
@@ -734,6 +773,7 @@ def test_panel_argmax_ties_infinities_and_nans():
         ones.argmax(torch.ones(cpu_native.ARGMAX_MAX_ROWS + 1, 8))
 
 
+@every_level
 def test_panel_linear_refuses_what_it_does_not_take():
     weight = torch.randn(32, 16)
     for bad_weight in (weight.half(), weight.double(), weight[0], torch.empty(0, 16)):
@@ -786,6 +826,7 @@ def check_bf16_panels(rows, k, n, with_bias):
         assert (got == want.bfloat16()).double().mean() >= 0.99
 
 
+@every_level
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows, k, n", BF16_PANEL_CASES)
 def test_bf16_panel_linear_matches_float64(rows, k, n, with_bias):
@@ -814,6 +855,7 @@ def test_bf16_panel_linear_without_native_bf16_widens_the_weights(monkeypatch, t
         check_bf16_panels(rows, k, n, with_bias=True)
 
 
+@every_level
 def test_bf16_panel_linear_is_exact_where_every_order_is():
     """Small integers, exact in bf16 and in every float32 partial sum: F.linear's products to
     the bit, whichever order (pairs or single k) adds them."""

@@ -25,6 +25,10 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(),
                                 reason=f"no native library here: {cpu_native.load_error()}")
 
 
+# The bitwise tests run on every prebuilt level this CPU runs (tests/conftest.py, native_levels).
+every_level = pytest.mark.usefixtures("native_level")
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread(one_torch_thread):  # tests/conftest.py
     yield
@@ -49,6 +53,7 @@ def _attention(case, threads: int, pool: bool) -> torch.Tensor:
     return out
 
 
+@every_level
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_attention_in_a_pool_step_is_the_openmp_teams_to_the_bit(kcase, threads, cache_dtype):
@@ -65,6 +70,7 @@ def test_attention_in_a_pool_step_is_the_openmp_teams_to_the_bit(kcase, threads,
     assert torch.equal(_attention(case, 1, pool=False), team)
 
 
+@every_level
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, k, n", [(1, 256, 32000), (16, 256, 1376), (64, 200, 257), (96, 64, 130), (5, 33, 65)])
 def test_panels_in_a_pool_step_are_the_openmp_teams_to_the_bit(rows, k, n, dtype):

@@ -17,6 +17,10 @@ from tokenlane.kernels.triton_kernels import paged_attention_triton, write_kv_ca
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 FP8_IDS = ["e4m3", "e5m2"]
+needs_native = pytest.mark.skipif(not cpu_native.available(),
+                                  reason=f"no native library here: {cpu_native.load_error()}")
+# The native tests run on every prebuilt level this CPU runs (tests/conftest.py, native_levels).
+every_level = pytest.mark.usefixtures("native_level")
 # Keys of magnitude ~K_MAG and values of ~V_MAG: e4m3 would saturate the keys (448) and flush
 # the values without their scales.
 K_MAG, V_MAG = 2000.0, 1e-4
@@ -80,10 +84,18 @@ def test_triton_write_matches_the_reference_bitwise(kcase, dtype, src_dtype, hea
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize("backend", ["torch", "native"])
-def test_cpu_write_paths_match_the_reference(dtype, backend):
-    if backend == "native" and not cpu_native.available():
-        pytest.skip(f"no native library here: {cpu_native.load_error()}")
+def test_torch_write_matches_the_reference(dtype):
+    check_cpu_write(dtype, "torch")
+
+
+@needs_native
+@every_level
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+def test_native_write_matches_the_reference(dtype):
+    check_cpu_write(dtype, "native")
+
+
+def check_cpu_write(dtype, backend):
     gen = torch.Generator().manual_seed(1)
     key = torch.randn(11, 2, 32, generator=gen) * K_MAG
     value = torch.randn(11, 2, 32, generator=gen) * V_MAG
@@ -137,12 +149,24 @@ def test_triton_attention_low_precision_queries_and_splits(kcase, dtype, query_d
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize("path", ["grouped", "per-sequence", "native"])
+@pytest.mark.parametrize("path", ["grouped", "per-sequence"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [32, 40])
+def test_cpu_attention_matches_the_reference(kcase, dtype, path, group, head_dim):
+    check_cpu_attention(kcase, dtype, path, group, head_dim)
+
+
+@every_level
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("head_dim", [32, 40])  # 40: the C kernels' generic decode, torch prefill
-def test_cpu_attention_matches_the_reference(kcase, dtype, path, group, head_dim):
-    if path == "native" and not cpu_native.reads_cache_dtype(dtype):
+def test_native_attention_matches_the_reference(kcase, dtype, group, head_dim):
+    if not cpu_native.reads_cache_dtype(dtype):
         pytest.skip(f"the native kernels do not read {dtype} caches here: {cpu_native.load_error()}")
+    check_cpu_attention(kcase, dtype, "native", group, head_dim)
+
+
+def check_cpu_attention(kcase, dtype, path, group, head_dim):
     seq_lens, query_lens = SCENARIOS["mixed"]
     case = fp8_case(kcase, dtype, seq_lens + [7, 30], query_lens + [1, 1], num_heads=2 * group,
                     num_kv_heads=2, head_dim=head_dim, block_size=16, seed=group, device=torch.device("cpu"))
@@ -190,6 +214,7 @@ def test_bad_scales_and_dtypes_are_refused(kcase):
                            plain.value_cache.cpu(), torch.zeros(1, dtype=torch.int64), backend="torch", v_scale=0.5)
 
 
+@every_level
 @pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("head_dim", [32, 40])  # the vector path (in registers) and the generic one (a table)
 def test_native_decode_widens_every_fp8_byte_exactly(dtype, head_dim):

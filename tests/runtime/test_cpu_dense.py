@@ -32,6 +32,10 @@ needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
 )
 
+# The tests of the native panels run on every prebuilt level this CPU runs (tests/conftest.py,
+# native_levels): an AVX-512 host also runs the AVX2 build's 32-column panels.
+every_level = pytest.mark.usefixtures("native_level")
+
 AVX2 = CpuMatmulSupport(bfloat16=False, float16=False)
 AVX512_BF16 = CpuMatmulSupport(bfloat16=True, float16=False)
 AMX_FP16 = CpuMatmulSupport(bfloat16=True, float16=True)
@@ -179,6 +183,7 @@ def test_float32_linears_without_panels_keep_the_oneDNN_policy(monkeypatch):
 needs_panels = pytest.mark.skipif(not cpu_native.available(), reason="no native CPU kernels (no C compiler)")
 
 
+@every_level
 @needs_onednn
 @needs_panels
 def test_float32_linears_get_panels_for_decode_batches():
@@ -356,6 +361,7 @@ def _save_checkpoint(path: Path, tie: bool) -> Path:
     return path
 
 
+@every_level
 @needs_onednn
 @pytest.mark.parametrize("tie", [False, True])
 def test_prepacked_head_logits_match_transformers(tmp_path, tie, one_torch_thread):
@@ -385,6 +391,7 @@ def test_prepacked_head_logits_match_transformers(tmp_path, tie, one_torch_threa
     assert torch.equal(logits.argmax(-1), want.argmax(-1))
 
 
+@every_level
 @needs_onednn
 @pytest.mark.parametrize("panels", [True, False])
 @pytest.mark.parametrize("packed_only", [True, False])
@@ -416,6 +423,7 @@ def test_greedy_tokens_match_transformers_through_prepacked_linears(tiny_model_d
     assert_matches_hf(tiny_model_dir, reqs)
 
 
+@every_level
 @needs_panels
 def test_the_fused_greedy_head_runs_only_where_nothing_reads_the_logits(tiny_model_dir, monkeypatch):
     """A step with a row that wants logprobs computes logits (the head's argmax is not asked);
@@ -448,6 +456,7 @@ def test_panel_rows_follow_the_builds_panel_width(monkeypatch):
         assert cpu_dense.can_use_panels(torch.zeros(64, 256)) == (rows is not None)
 
 
+@every_level
 @needs_onednn
 @needs_panels
 def test_panel_sized_steps_run_as_pool_steps_with_transformers_tokens(tiny_model_dir, monkeypatch):
