@@ -17,14 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tokenlane.bench.host import ISA_CAPS
 from tokenlane.kernels import native_build
-
-AVX2_CAPS = {
-    "TOKENLANE_NATIVE_MAX_LEVEL": "x86-64-v3",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-    "ATEN_CPU_CAPABILITY": "avx2",
-}
 
 _SCRIPT = r"""
 import json, sys
@@ -54,7 +48,7 @@ def _v3_flags_missing() -> list[str]:
 @pytest.mark.skipif(bool(_v3_flags_missing()),
                     reason=f"this host does not run AVX2 code: lacks {' '.join(_v3_flags_missing())}")
 def test_the_engine_under_the_avx2_caps_matches_transformers(tiny_model_dir, tiny_qwen2_dir):
-    env = {**os.environ, **AVX2_CAPS}
+    env = {**os.environ, **ISA_CAPS["avx2"]}  # the caps of the benchmarks' --isa-cap avx2
     env.pop("TOKENLANE_NATIVE_JIT", None)
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(Path(__file__).parent), str(tiny_model_dir), str(tiny_qwen2_dir)],
