@@ -66,7 +66,7 @@ FINISH_REASON_OF_STATUS = {
 MAX_LOGPROBS = 20
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
@@ -189,7 +189,7 @@ class SequenceGroup:
         return self.leader.num_prompt_tokens - 1
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

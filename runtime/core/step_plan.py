@@ -13,7 +13,7 @@ from typing import Optional, Protocol
 from tokenlane.runtime.core.request import Request, TokenLogprob
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of a step."""
 

@@ -546,13 +546,19 @@ class LLMEngine:
 
     def _charge_output_tokens(self, got_token: list[Request]) -> None:
         """Output tokens count against their tenant's rate limit and fair share as produced."""
+        # Counted per (tenant, lane) first: a step's tokens mostly share a few of them.
+        counts: dict[tuple[str, str], int] = {}
+        get = counts.get
+        for request in got_token:
+            key = (request.tenant, request.lane)
+            counts[key] = get(key, 0) + 1
         now = self.clock()
         lanes, limits = self.scheduler.lanes, self.tenant_limits
-        for request in got_token:
-            limits.charge(request.tenant, 1, now)
-            lane = lanes.get(request.lane)
+        for (tenant, lane_name), tokens in counts.items():
+            limits.charge(tenant, tokens, now)
+            lane = lanes.get(lane_name)
             if lane is not None:
-                lane.charge_tenant(request.tenant, 1)
+                lane.charge_tenant(tenant, tokens)
 
     def _execute(self, plan: StepPlan) -> ExecutorOutput:
         # An executor that mirrors requests on other ranks hears of ends and preemptions even then.
@@ -644,13 +650,11 @@ class LLMEngine:
     def _outputs(self, got_token: list) -> list[RequestOutput]:
         """RequestOutputs of this step: new tokens, then every final status (no text: the
         front end detokenizes)."""
-        by_id: dict[str, RequestOutput] = {}
-        outputs: list[RequestOutput] = []
-        for request in got_token:
-            out = self._output(request, request.output_token_ids[-1:])
-            by_id[request.request_id] = out
-            outputs.append(out)
-        for request in self.scheduler.drain_finished():
+        output = self._output
+        outputs = [output(request, request.output_token_ids[-1:]) for request in got_token]
+        finished = self.scheduler.drain_finished()
+        by_id = {out.request_id: out for out in outputs} if finished else {}
+        for request in finished:
             self._time_kv_release(request)
             out = by_id.get(request.request_id)
             if out is None:
@@ -687,20 +691,13 @@ class LLMEngine:
         if params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             request.prompt_logprobs_sent = True
             prompt_logprobs = list(request.prompt_logprobs)
+        # Positional, in RequestOutput's field order: once per request and step.
         return RequestOutput(
-            request_id=request.request_id,
-            lane=request.lane,
-            new_token_ids=new_ids,  # a fresh list from the caller
-            new_text="",
-            finished=False,
-            finish_reason=None,
-            finish_detail="",
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            new_logprobs=new_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            scheduled_at=request.first_scheduled_time,
+            request.request_id, request.lane,
+            new_ids,  # new_token_ids: a fresh list from the caller
+            "", False, None, "",  # new_text, finished, finish_reason, finish_detail
+            len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens,
+            new_logprobs, prompt_logprobs, request.first_scheduled_time,
         )
 
     # ------------------------------------------------------------------ observers
@@ -713,7 +710,19 @@ class LLMEngine:
                 log.exception("observer %r failed", observer)
 
     def _report_step(self, plan: StepPlan, output: ExecutorOutput, schedule_seconds: float) -> None:
-        prefill = plan.num_prefill_tokens
+        # Each lane's prefill and decode tokens in one pass (256+ chunks a step), counted as
+        # plan.num_prefill_tokens counts them; plain dicts here, LaneStepStats below.
+        lane_prefill: dict[str, int] = {}
+        lane_decode: dict[str, int] = {}
+        prefill_get, decode_get = lane_prefill.get, lane_decode.get
+        for chunk in plan.chunks:
+            request = chunk.request
+            name = request.lane
+            if chunk.start < len(request.prompt_token_ids):
+                lane_prefill[name] = prefill_get(name, 0) + chunk.num_tokens
+            else:
+                lane_decode[name] = decode_get(name, 0) + chunk.num_tokens
+        prefill = sum(lane_prefill.values())
         decode = plan.num_batched_tokens - prefill
         self.estimator.observe(output.step_seconds, prefill, decode)
         queued, self._queued_since_step = self._queued_since_step, {}
@@ -743,17 +752,6 @@ class LLMEngine:
         stats.kv_bytes_restored = stats.kv_blocks_restored * block_bytes
         stats.kv_restore_seconds = output.kv_restore_seconds
         lanes = stats.lanes
-        # Plain dicts in the per-chunk loop (256+ chunks a step), LaneStepStats after it.
-        lane_prefill: dict[str, int] = {}
-        lane_decode: dict[str, int] = {}
-        prefill_get, decode_get = lane_prefill.get, lane_decode.get
-        for chunk in plan.chunks:
-            request = chunk.request
-            name = request.lane
-            if chunk.start < len(request.prompt_token_ids):  # as plan.num_prefill_tokens counts
-                lane_prefill[name] = prefill_get(name, 0) + chunk.num_tokens
-            else:
-                lane_decode[name] = decode_get(name, 0) + chunk.num_tokens
         for name, tokens in lane_prefill.items():
             lane = lanes.get(name)
             if lane is not None:

@@ -20,7 +20,7 @@ from tokenlane.runtime.core.request import FinishReason, Request, RequestStatus,
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     lane: str

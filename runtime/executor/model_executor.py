@@ -31,12 +31,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tokenlane.kernels import cpu_native
 from tokenlane.kernels.api import fresh_prefill_through_cache, resolve_backend
 from tokenlane.kernels.reference import is_fp8
-from tokenlane.runtime.executor.batch_inputs import BatchInputBuilder, chunk_token_ids
+from tokenlane.runtime.executor.batch_inputs import BatchInputBuilder, chunk_token_ids, host_tensor
 from tokenlane.runtime.config import RuntimeConfig
 from tokenlane.runtime.executor.cpu_dense import select_compute_dtype
 from tokenlane.runtime.executor.cpu_placement import bind_compute_threads, placement_for
@@ -48,7 +49,7 @@ from tokenlane.runtime.executor.llama import AttentionMetadata, CausalLM, kv_cac
 from tokenlane.runtime.core.startup import StartupPhase
 from tokenlane.runtime.core.step_plan import ExecutorOutput, ScheduledChunk, StepPlan
 from tokenlane.runtime.core.request import TokenLogprob
-from tokenlane.runtime.executor.sampler import Sampler, argmax_only, make_generator
+from tokenlane.runtime.executor.sampler import Sampler, make_generator
 from tokenlane.runtime.executor.structured_output import GrammarMatchers
 
 log = logging.getLogger(__name__)
@@ -492,7 +493,7 @@ class ModelExecutor:
         if adapter is not None and adapter not in self.adapters:
             errors[request.request_id] = f"adapter {adapter!r} is not loaded"
             return False
-        if chunk.start >= request.num_prompt_tokens:
+        if chunk.start >= len(request.prompt_token_ids):
             return True  # generated tokens: the sampler's own, in the vocabulary
         # Prompt tokens (the engine's admission checks them too; an id outside the table
         # would be a device-side assert on CUDA, fatal to every request).
@@ -614,9 +615,8 @@ class ModelExecutor:
         # When every row is greedy and nothing else reads the logits, the LM head may hand
         # back the tokens instead (on the CPU: no [rows, vocab] logits written, then read).
         # Every rank runs it (a tensor-parallel LM head gathers logits); one rank samples.
-        greedy = not prompt_rows and all(argmax_only(c.request.sampling_params) for c in sampled_chunks)
         with step_threads:
-            logits = self._forward(input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev), greedy)
+            logits = self._forward(input_ids, pos, meta, host_tensor(rows, np.int64).to(dev), inputs.argmax_only)
         if logits is None or not self.is_output_rank:  # an earlier stage, or a tensor rank that does not sample
             return
         if logits.dtype == torch.int64:

@@ -220,3 +220,75 @@ def test_block_table_rows_follow_every_change_of_the_list():
     c.block_ids = [1]
     assert tables.row_of(c) == row_a  # a released row is reused, zeroed first
     assert tables.table[row_a].tolist()[:3] == [1, 0, 0]
+
+
+@pytest.mark.parametrize("sdpa_fresh_prefill", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_steps_built_column_by_column_match_the_reference(seed, sdpa_fresh_prefill):
+    """Steps of decodes alone take `_build_decodes`, the others `build`'s loop; both against
+    the reference, over steps whose block tables grow, are copied on write and are freed."""
+    rng = random.Random(100 + seed)
+    pool = Pool(rng)
+    builder = BatchInputBuilder(BLOCK_SIZE, max_model_len=32, device=torch.device("cpu"), backend="torch",
+                                sdpa_fresh_prefill=sdpa_fresh_prefill)
+    requests = [make_request(rng, i) for i in range(10)]
+    columns = 0
+    for _ in range(40):
+        for r in requests:
+            if not r.output_token_ids and rng.random() < 0.5:
+                r.output_token_ids.append(rng.randrange(5, 1000))
+        batch = rng.sample(requests, rng.randint(1, len(requests)))
+        # A sampled one-token chunk at the last known token; now and then the prompt's last
+        # (no output yet) or, to leave the column path, a chunk of another kind.
+        chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, sample=True) for r in batch]
+        if rng.random() < 0.2:
+            chunks[rng.randrange(len(chunks))] = random_chunk(rng, pool, rng.choice(requests))
+        for c in chunks:
+            pool.cover(c.request, c.start + c.num_tokens)
+        by_columns = builder._build_decodes(chunks) is not None
+        columns += by_columns
+        assert by_columns == all(c.num_tokens == 1 and c.sample and c.start > 0 for c in chunks)
+        check(builder.build(chunks), reference_inputs(chunks, BLOCK_SIZE, sdpa_fresh_prefill))
+        for r in batch:
+            r.output_token_ids.append(rng.randrange(5, 1000))
+        victim = rng.choice(requests)
+        if victim.block_ids and rng.random() < 0.5:  # copied on write
+            index = rng.randrange(len(victim.block_ids))
+            pool.free.insert(0, victim.block_ids[index])
+            victim.block_ids[index] = pool.free.pop()
+        if rng.random() < 0.2:  # preempted: its row is handed back, its blocks freed
+            preempted = rng.choice(requests)
+            pool.clear(preempted)
+            builder.release(preempted.request_id)
+        for r in requests:  # at most 60 tokens
+            if r.num_tokens > 60:
+                pool.clear(r)
+                builder.release(r.request_id)
+                r.output_token_ids = r.output_token_ids[:2]
+    assert columns >= 20
+
+
+def test_the_batch_says_whether_every_row_takes_the_argmax():
+    """`argmax_only`: every sampled row greedy with nothing reading its logits, on both paths."""
+    pool = Pool(random.Random(0))
+    builder = BatchInputBuilder(BLOCK_SIZE, 64, torch.device("cpu"), "torch", sdpa_fresh_prefill=True)
+
+    def decode(rid, **params):
+        request = Request(rid, [11, 12, 13], SamplingParams(max_tokens=8, **params))
+        request.output_token_ids.append(7)
+        pool.cover(request, request.num_tokens)
+        return ScheduledChunk(request, request.num_tokens - 1, 1, sample=True)
+
+    greedy = [decode(f"g{i}", temperature=0.0) for i in range(3)]
+    assert builder.build(greedy).argmax_only
+    for params in (dict(temperature=1.0), dict(temperature=0.0, logprobs=1),
+                   dict(temperature=0.0, presence_penalty=0.5), dict(top_k=1, temperature=0.7, logit_bias={5: 1.0})):
+        assert not builder.build(greedy + [decode(f"x{len(pool.free)}", **params)]).argmax_only, params
+    assert builder.build([decode("t", top_k=1, temperature=0.7)] + greedy).argmax_only
+    # A prefill chunk (the loop) with prompt logprobs: its rows read the logits.
+    scored = Request("p", [11, 12, 13, 14], SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=1))
+    pool.cover(scored, 4)
+    assert not builder.build(greedy + [ScheduledChunk(scored, 0, 4, sample=True)]).argmax_only
+    plain = Request("q", [11, 12, 13, 14], SamplingParams(max_tokens=8, temperature=0.0))
+    pool.cover(plain, 4)
+    assert builder.build(greedy + [ScheduledChunk(plain, 0, 4, sample=True)]).argmax_only

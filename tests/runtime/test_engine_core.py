@@ -89,6 +89,32 @@ def test_outputs_stream_tokens_and_end_once():
     assert rec.steps and rec.steps[0].num_prefill_tokens == 15
 
 
+def test_each_output_field_comes_from_its_own_source():
+    """The engine builds a step's outputs positionally (once per request and step): every
+    field, by name, holds what it says, with values that differ from field to field."""
+    engine, ex, clock, rec = make_engine()
+    r = req("a", n=7, max_tokens=5, lane="default")
+    engine.add_request(r)
+    first = engine.step()  # the prompt: the first token
+    clock.now += 0.5
+    second = engine.step()
+    (out,) = second
+    assert out.request_id == "a" and out.lane == "default"
+    assert out.new_token_ids == r.output_token_ids[-1:] and len(r.output_token_ids) == 2
+    assert out.new_text == "" and out.finished is False and out.finish_reason is None and out.finish_detail == ""
+    assert (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens) == (7, 2, 0)
+    assert out.new_logprobs is None and out.prompt_logprobs is None
+    assert out.scheduled_at == r.first_scheduled_time == 100.0
+    assert first[0].num_output_tokens == 1
+    # With logprobs: the sampled token's on every output, the prompt's on the first only.
+    scored = Request("s", [5, 6, 7, 8], SamplingParams(max_tokens=3, logprobs=1, prompt_logprobs=0))
+    engine.add_request(scored)
+    (first,) = [o for o in engine.step() if o.request_id == "s"]
+    (second,) = [o for o in engine.step() if o.request_id == "s"]
+    assert first.new_logprobs == scored.output_logprobs[:1] and len(first.prompt_logprobs) == 4
+    assert second.new_logprobs == scored.output_logprobs[1:2] and second.prompt_logprobs is None
+
+
 def test_timestamps_follow_the_clock():
     engine, ex, clock, rec = make_engine()
     r = req("a", max_tokens=3, arrival_time=clock.now)
