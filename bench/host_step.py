@@ -12,7 +12,10 @@ recorder the server attaches. Each step's thread CPU time is measured two ways:
   warm   steps back to back: the host's code and data stay in the caches;
   cold   between steps the stub sweeps `--sweep-mib` of memory (32 MiB: the 19M model's
          weights), as a forward pass does, and its own time is left out: closer to a served
-         step, where the host's Python meets caches the forward pass emptied.
+         step, where the host's Python meets caches the forward pass emptied;
+and, with the real forward pass back (on torch's threads as the engine sets them up):
+  whole  the whole step's wall time, to see what the host's share is worth in a step.
+`--cases` picks among them.
 
 `--peer DIR` (a folder holding another tree's `tokenlane` package, e.g. a `pip install
 --target` or a copy of site-packages/tokenlane) loads that tree too, in the same process under
@@ -103,11 +106,14 @@ class HostOnlyEngine:
         engine.add_observer(metrics)
         engine.add_observer(FlightRecorder(config=config))
         self.sweep = torch.ones(sweep_mib * 2**20 // 4)
-        self.cold = False
+        self.case = "warm"
         self.stub_seconds = 0.0
+        model_forward = engine.executor._forward
 
         def forward(input_ids, positions, meta, logits_indices, argmax_only=False):
-            if self.cold:
+            if self.case == "whole":
+                return model_forward(input_ids, positions, meta, logits_indices, argmax_only)
+            if self.case == "cold":
                 t0 = time.thread_time()
                 self.sweep.add_(1.0)
                 self.stub_seconds += time.thread_time() - t0
@@ -119,32 +125,40 @@ class HostOnlyEngine:
         self.block(30)  # the stub's first steps (allocations, caches)
 
     def block(self, steps: int) -> float:
-        """Thread CPU µs per step over `steps` steps, the stub's own sweep left out."""
+        """µs per step over `steps` steps: thread CPU time with the stub (its own sweep left
+        out), wall time with the real forward pass."""
         if steps > self.steps_left:
             raise RuntimeError("the sequences would finish: fewer --blocks or --block-steps")
         self.steps_left -= steps
         self.stub_seconds = 0.0
-        t0 = time.thread_time()
+        clock = time.perf_counter if self.case == "whole" else time.thread_time
+        t0 = clock()
         for _ in range(steps):
             self.engine.step()
-        return 1e6 * (time.thread_time() - t0 - self.stub_seconds) / steps
+        return 1e6 * (clock() - t0 - self.stub_seconds) / steps
+
+
+CASES = ("warm", "cold", "whole")
 
 
 def measure(packages: list[tuple[str, str]], model_dir: Optional[str], running: int, blocks: int, block_steps: int,
-            sweep_mib: int) -> dict[str, Any]:
+            sweep_mib: int, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(1)  # the host's work is one thread's; the sweep too
+    threads = torch.get_num_threads()
     engines = {name: HostOnlyEngine(package, model_dir, running, sweep_mib) for name, package in packages}
     names = list(engines)
-    samples: dict[str, dict[str, list[float]]] = {case: {name: [] for name in names} for case in ("warm", "cold")}
+    samples: dict[str, dict[str, list[float]]] = {case: {name: [] for name in names} for case in cases}
     for b in range(blocks):
         order = names if b % 2 == 0 else names[::-1]
-        for case in ("warm", "cold"):
+        for case in cases:
+            # The host's work is one thread's, the sweep too; the forward pass takes torch's threads.
+            torch.set_num_threads(threads if case == "whole" else 1)
             for name in order:
                 engine = engines[name]
-                engine.cold = case == "cold"
+                engine.case = case
                 samples[case][name].append(engine.block(block_steps))
+    torch.set_num_threads(threads)
     result: dict[str, Any] = {"running": running, "blocks": blocks, "block_steps": block_steps, "sweep_mib": sweep_mib}
     for case, per_name in samples.items():
         row: dict[str, Any] = {name: {"median_us": statistics.median(v), "min_us": min(v), "blocks_us": v}
@@ -163,7 +177,9 @@ def format_table(results: list[dict[str, Any]], names: list[str]) -> str:
         head += [f"{names[0]} / {names[1]}, median (range)"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in results:
-        for case in ("warm", "cold"):
+        for case in CASES:
+            if case not in r:
+                continue
             row = r[case]
             cells = [str(r["running"]), case] + [f"{row[n]['median_us']:.1f} ({row[n]['min_us']:.1f})" for n in names]
             if len(names) == 2:
@@ -181,6 +197,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--blocks", type=int, default=20, help="alternated blocks of steps per case (default 20)")
     parser.add_argument("--block-steps", type=int, default=40, help="steps per block (default 40)")
     parser.add_argument("--sweep-mib", type=int, default=32, help="memory the cold case sweeps between steps")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="default: all three")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if min(args.running) < 1 or args.blocks < 1 or args.block_steps < 1 or args.sweep_mib < 1:
@@ -194,7 +211,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 parser.error(str(exc))
         info = host_info()
         print(host_line(info))
-        results = [measure(packages, args.model, n, args.blocks, args.block_steps, args.sweep_mib)
+        results = [measure(packages, args.model, n, args.blocks, args.block_steps, args.sweep_mib, tuple(args.cases))
                    for n in args.running]
     names = [name for name, _ in packages]
     print(format_table(results, names))
