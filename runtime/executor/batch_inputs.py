@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from tokenlane.kernels.lora import lora_segments
+from tokenlane.kernels.lora import LoraSegments, lora_segments
 from tokenlane.runtime.executor.llama import AttentionMetadata
 from tokenlane.runtime.executor.sampler import argmax_only
 from tokenlane.runtime.core.step_plan import ScheduledChunk
@@ -260,14 +260,32 @@ class BatchInputBuilder:
                 if all_argmax and not self._argmax_only(request):
                     all_argmax = False
 
+        lora = lora_segments(lora_runs, len(token_ids), slot_ranks, self.device) if lora_runs else None
+        flat, meta = self._tensors(token_ids, positions, slots, seq_lens, query_lens, rows, len(paged), lora)
+        return BatchInputs(
+            input_ids=flat[0],
+            positions=flat[1],
+            meta=meta,
+            logits_rows=logits_rows + prompt_rows,
+            sampled_chunks=sampled_chunks,
+            prompt_targets=prompt_targets,
+            prompt_ks=prompt_ks,
+            prompt_spans=prompt_spans,
+            argmax_only=all_argmax and not prompt_rows,
+        )
+
+    def _tensors(self, token_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+                 query_lens: list[int], rows: list[int], n_paged: int, lora: Optional[LoraSegments] = None
+                 ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The batch's tensors from its columns (the first `n_paged` sequences attend through
+        the paged cache): [3, T] int64 ids, positions and slots, and the attention metadata."""
         # int64 inputs in one conversion (and, on an accelerator, one copy): ids, positions, slots.
         flat = host_tensor([token_ids, positions, slots], np.int64)
-        n_paged = len(paged)
         paged_lens, paged_query_lens = seq_lens[:n_paged], query_lens[:n_paged]
         # int32 metadata of the paged sequences in one conversion: context lengths, query offsets.
         small = host_tensor(paged_lens + list(accumulate(paged_query_lens, initial=0)), np.int32)
         if n_paged:
-            tables = block_tables.gather(rows[:n_paged], -(-max(paged_lens) // bs))
+            tables = self.block_tables.gather(rows[:n_paged], -(-max(paged_lens) // self.block_size))
         else:
             tables = torch.zeros((0, 1), dtype=torch.int32)
         dev = self.device
@@ -285,19 +303,9 @@ class BatchInputBuilder:
             all_seq_lens=seq_lens,
             all_query_lens=query_lens,
             backend=self.backend,
-            lora=lora_segments(lora_runs, len(token_ids), slot_ranks, dev) if lora_runs else None,
+            lora=lora,
         )
-        return BatchInputs(
-            input_ids=flat[0],
-            positions=flat[1],
-            meta=meta,
-            logits_rows=logits_rows + prompt_rows,
-            sampled_chunks=sampled_chunks,
-            prompt_targets=prompt_targets,
-            prompt_ks=prompt_ks,
-            prompt_spans=prompt_spans,
-            argmax_only=all_argmax and not prompt_rows,
-        )
+        return flat, meta
 
     def _build_decodes(self, chunks: list[ScheduledChunk]) -> Optional[BatchInputs]:
         """The batch of a step of decodes alone (every chunk one token, sampled, with context
@@ -320,29 +328,9 @@ class BatchInputBuilder:
         token_ids = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in requests]
         bs = self.block_size
         slots = [r.block_ids[s // bs] * bs + s % bs for r, s in zip(requests, starts)]
-        seq_lens = [s + 1 for s in starts]
-        n = len(chunks)
-        flat = host_tensor([token_ids, starts, slots], np.int64)
-        small = host_tensor(seq_lens + list(range(n + 1)), np.int32)
-        max_seq_len = max(seq_lens)
-        tables = block_tables.gather(rows, -(-max_seq_len // bs))
         argmax_get = self._argmax.get
         all_argmax = all([argmax_get(r.request_id) or self._argmax_only(r) for r in requests])
-        dev = self.device
-        if dev.type != "cpu":
-            flat, small, tables = flat.to(dev), small.to(dev), tables.to(dev)
-        meta = AttentionMetadata(
-            slot_mapping=flat[2],
-            block_tables=tables,
-            seq_lens=small[:n],
-            query_start_loc=small[n:],
-            num_paged_tokens=n,
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-            fresh_query_lens=[],
-            all_seq_lens=seq_lens,
-            all_query_lens=[1] * n,
-            backend=self.backend,
-        )
+        n = len(chunks)
+        flat, meta = self._tensors(token_ids, starts, slots, [s + 1 for s in starts], [1] * n, rows, n)
         return BatchInputs(input_ids=flat[0], positions=flat[1], meta=meta, logits_rows=list(range(n)),
                            sampled_chunks=list(chunks), argmax_only=all_argmax)
