@@ -4,9 +4,10 @@
     python -m tokenlane.bench.host_step --peer /tmp/before       # against another tree
     python -m tokenlane.bench.host_step --running 16 64 256 --json out.json
 
-An `LLMEngine` with the real `ModelExecutor` (the generated 19M Llama of `step_profile`, float32)
-runs N sequences to steady decoding (`--model DIR`: another checkpoint); then the model's forward pass is replaced by a stub that
-hands back a token per row, so a step is only the host's work: the scheduler, the flat batch,
+An `LLMEngine` with the real `ModelExecutor` (the generated 19M Llama of `step_profile`, float32;
+`--model DIR` for another checkpoint) runs N sequences to steady decoding; then the model's
+forward pass is replaced by a stub that hands back a token per row, so a step is only the
+host's work: the scheduler, the flat batch,
 the executor's checks, the outputs, the step report, and the Prometheus metrics and flight
 recorder the server attaches. Each step's thread CPU time is measured two ways:
   warm   steps back to back: the host's code and data stay in the caches;
