@@ -328,8 +328,7 @@ class BatchInputBuilder:
         token_ids = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in requests]
         bs = self.block_size
         slots = [r.block_ids[s // bs] * bs + s % bs for r, s in zip(requests, starts)]
-        argmax_get = self._argmax.get
-        all_argmax = all([argmax_get(r.request_id) or self._argmax_only(r) for r in requests])
+        all_argmax = all([self._argmax_only(r) for r in requests])
         n = len(chunks)
         flat, meta = self._tensors(token_ids, starts, slots, [s + 1 for s in starts], [1] * n, rows, n)
         return BatchInputs(input_ids=flat[0], positions=flat[1], meta=meta, logits_rows=list(range(n)),
