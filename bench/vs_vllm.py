@@ -18,8 +18,8 @@ Model: unless --model is given, a random checkpoint written by `make_tiny_model`
 byte-level BPE tokenizer, padded to 32000 entries so that every id the model can sample decodes
 in both servers. --shape llama (the default): hidden 256, intermediate 688, 4 layers, 8 heads,
 4 KV heads, vocab 32000, 19M parameters. --shape qwen2: hidden 192, intermediate 512, 4 layers,
-6 heads over 2 KV heads (head dim 32), qkv bias, tied embeddings, vocab 32000. Both servers load
-the same folder.
+6 heads over 2 KV heads (head dim 32), qkv bias, tied embeddings, vocab 32000. --shape
+llama,qwen2 runs everything below on one, then the other. Both servers load the same folder.
 
 Workload: --num-requests streaming completions (default 64), prompt lengths and max_tokens drawn
 from random.Random(--seed) (default U[16, 512] and U[8, 128]), ignore_eos, temperature 0;
@@ -39,7 +39,9 @@ streamed token), TPOT ((last - first token) / (tokens - 1)), output tokens/s; pe
 tokens/s (all output tokens / first send -> last token), TPOT p50, TTFT p50 and p99. Per cell:
 the median of each server's runs and the ratios tokenlane / peer. On the first float32 run of
 each server a few requests are also sent unstreamed and their greedy outputs compared
-(differences are reported, not hidden). --json writes everything, every request included.
+(differences are reported, not hidden). Last, the verdict: each metric's range of ratios over
+the cells against the targets (TARGETS: tokens/s >= 1.3x, TPOT p50 <= 0.9x, TTFT p50 <= 1.0x),
+and every cell that misses one. --json writes everything, every request included.
 
 --isa-cap avx2 runs both servers' AVX2 code on a wider CPU (a labelled stand-in for an AVX2-only
 host, not one): tokenlane's native library, oneDNN, MKL and ATen held to AVX2 through their
@@ -119,6 +121,9 @@ TOKENLANE = "tokenlane"
 # Per-run numbers compared across servers, with their table labels.
 METRICS = {"output_tokens_per_s": "out tok/s", "tpot_p50_s": "TPOT p50 ms", "ttft_p50_s": "TTFT p50 ms",
            "ttft_p99_s": "TTFT p99 ms"}
+# The project's targets against vLLM CPU (docs/benchmarks.md, "Where it stands"): the
+# ratio tokenlane / peer each cell's medians must reach, per metric.
+TARGETS = {"output_tokens_per_s": (">=", 1.3), "tpot_p50_s": ("<=", 0.9), "ttft_p50_s": ("<=", 1.0)}
 GREEDY_MAX_TOKENS = 32
 WARMUP = PlannedRequest(index=0, arrival_s=0.0, lane=None, tenant="bench", prompt_tokens=16, max_tokens=4)
 
@@ -381,10 +386,12 @@ class Cell:
     dtype: str
     concurrency: int
     runs: list[Run] = field(default_factory=list)
+    shape: Optional[str] = None  # the generated checkpoint's shape; None for --model
 
     @property
     def label(self) -> str:
-        return f"{self.dtype}, concurrency {self.concurrency}"
+        prefix = f"{self.shape}, " if self.shape else ""
+        return f"{prefix}{self.dtype}, concurrency {self.concurrency}"
 
     def medians(self, server: str) -> dict[str, Optional[float]]:
         runs = [r for r in self.runs if r.server == server]
@@ -411,6 +418,46 @@ class Cell:
                 b = theirs.metrics[key] if theirs is not None else None
                 out[key].append(a / b if a is not None and b else None)
         return out
+
+
+def target_verdict(cells: list[Cell], peer: str) -> dict:
+    """Each cell's medians' ratios against TARGETS: the range per metric over the cells, and
+    every cell and metric that misses (a metric with no ratio, e.g. every request failed,
+    misses too)."""
+    ranges: dict[str, Optional[list[float]]] = {}
+    misses = []
+    for key, (op, bound) in TARGETS.items():
+        values = []
+        for cell in cells:
+            ratio = cell.ratios(peer)[key]
+            if ratio is not None:
+                values.append(ratio)
+            if ratio is None or (ratio < bound if op == ">=" else ratio > bound):
+                misses.append({"cell": cell.label, "metric": key, "ratio": ratio, "target": f"{op} {bound}"})
+        ranges[key] = [min(values), max(values)] if values else None
+    return {"targets": {key: f"{op} {bound}" for key, (op, bound) in TARGETS.items()},
+            "ranges": ranges, "misses": misses, "met": not misses}
+
+
+def _ratio_label(key: str) -> str:
+    return METRICS[key].removesuffix(" ms")  # a ratio has no unit
+
+
+def format_verdict(verdict: dict, peer: str) -> str:
+    """The row "Where it stands" keeps (each metric's range of ratios over the cells), then
+    each miss, or that every cell meets the targets."""
+    parts = []
+    for key, (op, bound) in TARGETS.items():
+        span = verdict["ranges"][key]
+        text = "-" if span is None else f"{span[0]:.2f}-{span[1]:.2f}x"
+        parts.append(f"{_ratio_label(key)} {text} (target {op} {bound}x)")
+    lines = [f"{TOKENLANE} / {peer} over the cells: " + ", ".join(parts)]
+    if verdict["met"]:
+        lines.append("every cell meets the targets")
+    for miss in verdict["misses"]:
+        ratio = "no ratio" if miss["ratio"] is None else f"{miss['ratio']:.2f}x"
+        lines.append(f"  misses: {miss['cell']}: {_ratio_label(miss['metric'])} {ratio}, target {miss['target']}x")
+    return "\n".join(lines)
 
 
 def compare_greedy(ours: list[dict], theirs: list[dict]) -> dict:
@@ -448,18 +495,19 @@ def format_cell(cell: Cell, peer: str) -> str:
     return "\n".join(lines)
 
 
-def report_doc(cells: list[Cell], peer: str, meta: dict, greedy: Optional[dict]) -> dict:
+def report_doc(cells: list[Cell], peer: str, meta: dict, greedy: dict[str, dict]) -> dict:
     return {
         **meta,
         "peer": peer,
         "ratio": f"{TOKENLANE} median / {peer} median, per metric",
+        "verdict": target_verdict(cells, peer),
         "cells": [
-            {"dtype": c.dtype, "concurrency": c.concurrency,
+            {"shape": c.shape, "dtype": c.dtype, "concurrency": c.concurrency,
              "medians": {TOKENLANE: c.medians(TOKENLANE), peer: c.medians(peer)},
              "ratios": c.ratios(peer), "pair_ratios": c.pair_ratios(peer), "runs": [asdict(r) for r in c.runs]}
             for c in cells
         ],
-        "greedy_check": greedy,
+        "greedy_checks": greedy,  # per model: the shape, or "model" for --model
     }
 
 
@@ -481,6 +529,14 @@ def _dtype_list(text: str) -> list[str]:
     unknown = [v for v in values if v not in ("bfloat16", "float16", "float32")]
     if not values or unknown:
         raise argparse.ArgumentTypeError(f"{text!r}: expected dtypes from bfloat16, float16, float32")
+    return values
+
+
+def _shape_list(text: str) -> list[str]:
+    values = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [v for v in values if v not in MODEL_SHAPES]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected shapes from {', '.join(sorted(MODEL_SHAPES))}")
     return values
 
 
@@ -521,9 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenlane config override, e.g. engine.blockSize=32 (repeatable)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder both servers load "
                    "(default: generate --shape into --workdir)")
-    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="llama",
-                   help="the generated checkpoint without --model: llama (19M; into WORKDIR/model) or qwen2 "
-                        "(qkv bias, tied embeddings, 6 heads / 2 KV heads of 32; into WORKDIR/model-qwen2)")
+    p.add_argument("--shape", type=_shape_list, default=None,
+                   help="the generated checkpoints without --model, one after the other: llama (19M; into "
+                        "WORKDIR/model), qwen2 (qkv bias, tied embeddings, 6 heads / 2 KV heads of 32; into "
+                        "WORKDIR/model-qwen2), or both: llama,qwen2 (default llama)")
     p.add_argument("--workdir", type=Path, default=None, help="model, wrapper and server logs (default: a new temp dir)")
     p.add_argument("--dtype", type=_dtype_list, default=["bfloat16", "float32"], help="default bfloat16,float32")
     p.add_argument("--concurrency", type=_int_list, default=[16, 64], help="default 16,64")
@@ -554,17 +611,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--pairs and --num-requests must be >= 1, --greedy-requests >= 0")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tokenlane-vs-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = workdir / ("model" if args.shape == "llama" else f"model-{args.shape}")
-    if args.model is None:
-        print(f"writing the random {args.shape} checkpoint to {model_dir} ...", file=sys.stderr, flush=True)
-    elif not (args.model / "config.json").is_file():
-        parser.error(f"--model {args.model}: no config.json there")
-    model = args.model or make_bench_model(model_dir, args.shape)
+    if args.model is not None:
+        if args.shape is not None:
+            parser.error("give --model or --shape, not both: --shape names the checkpoints to generate")
+        if not (args.model / "config.json").is_file():
+            parser.error(f"--model {args.model}: no config.json there")
+        models = [(None, args.model)]
+    else:
+        models = []
+        for shape in args.shape or ["llama"]:
+            model_dir = workdir / ("model" if shape == "llama" else f"model-{shape}")
+            print(f"writing the random {shape} checkpoint to {model_dir} ...", file=sys.stderr, flush=True)
+            models.append((shape, make_bench_model(model_dir, shape)))
     try:  # check the overrides before starting anything
         from tokenlane.runtime.config import RuntimeConfig
 
         for dtype in args.dtype:
-            RuntimeConfig.from_dict(tokenlane_config(model, dtype, args.overrides))
+            RuntimeConfig.from_dict(tokenlane_config(models[0][1], dtype, args.overrides))
     except ValueError as exc:
         parser.error(f"--set: {exc}")
     peer_env = dict(args.peer_env)
@@ -588,79 +651,104 @@ def main(argv: Optional[list[str]] = None) -> int:
     greedy_probes = [PlannedRequest(index=p.index, arrival_s=0.0, lane=None, tenant="bench", prompt_tokens=p.prompt_tokens,
                                     max_tokens=min(p.max_tokens, GREEDY_MAX_TOKENS), stream=False)
                      for p in planned[:args.greedy_requests]]
-    greedy_outputs: dict[str, list[dict]] = {}
-    cells = [Cell(dtype, conc) for dtype in args.dtype for conc in args.concurrency]
     host = host_info()
     print(host_line(host), flush=True)
     print(f"{len(planned)} requests, {sum(p.prompt_tokens for p in planned)} prompt tokens, "
           f"{sum(p.max_tokens for p in planned)} output tokens; peer: {shlex.join(argv_template)}", flush=True)
-    for dtype in args.dtype:
-        row = [c for c in cells if c.dtype == dtype]
-        if args.interleave:
-            servers = {
-                TOKENLANE: ServerProcess(tokenlane_config(model, dtype, args.overrides), workdir, f"{dtype}-{TOKENLANE}",
-                                         env=thread_env, ready_timeout_s=args.ready_timeout, stop_timeout_s=60.0),
-                peer: PeerServer(argv_template, workdir, f"{dtype}-{peer}", model=model, dtype=dtype, env=peer_env,
-                                 ready_timeout_s=args.ready_timeout),
-            }
-            probes = {name: greedy_probes for name in servers if dtype == "float32" and name not in greedy_outputs}
-            print(f"{dtype}: {TOKENLANE} and {peer} up at once, {args.pairs} interleaved pairs at concurrency "
-                  f"{args.concurrency} ...", file=sys.stderr, flush=True)
-            for run in run_interleaved(servers, args.pairs, planned, args.concurrency, args.request_timeout, probes):
-                if run.greedy is not None:
-                    greedy_outputs[run.server] = run.greedy
-                next(c for c in row if c.concurrency == run.concurrency).runs.append(run)
-            for cell in row:
-                print(format_cell(cell, peer), flush=True)
-            continue
-        for pair in range(1, args.pairs + 1):
-            for name in (TOKENLANE, peer):
-                stem = f"{dtype}-p{pair}-{name}"
-                if name == TOKENLANE:
-                    server = ServerProcess(tokenlane_config(model, dtype, args.overrides), workdir, stem,
-                                           env=thread_env, ready_timeout_s=args.ready_timeout, stop_timeout_s=60.0)
-                else:
-                    server = PeerServer(argv_template, workdir, stem, model=model, dtype=dtype, env=peer_env,
-                                        ready_timeout_s=args.ready_timeout)
-                probes = greedy_probes if dtype == "float32" and name not in greedy_outputs else []
-                print(f"{dtype}, pair {pair}: {name} at concurrency {args.concurrency} ...", file=sys.stderr, flush=True)
-                runs = run_server(server, name, pair, planned, [c.concurrency for c in row], args.request_timeout, probes)
-                for cell, run in zip(row, runs):
-                    if run.greedy is not None:
-                        greedy_outputs[name] = run.greedy
-                    cell.runs.append(run)
-        for cell in row:
-            print(format_cell(cell, peer), flush=True)
-
-    greedy = None
-    if greedy_probes and len(greedy_outputs) == 2:
-        greedy = compare_greedy(greedy_outputs[TOKENLANE], greedy_outputs[peer])
-        print(f"greedy float32 outputs ({greedy['requests']} requests, by {greedy['compared_by']}): "
-              f"{'identical' if not greedy['mismatched'] else str(greedy['mismatched']) + ' differ'}")
-        for m in greedy["mismatches"]:
-            print(f"  request {m['index']}: {TOKENLANE} {m[TOKENLANE]} != {peer} {m['peer']}")
-    elif greedy_probes:
-        print("greedy check skipped: no float32 cell in this run")
+    cells: list[Cell] = []
+    greedy: dict[str, dict] = {}
+    for shape, model in models:
+        setup = ModelRuns(shape, model, args, argv_template, peer, peer_env, thread_env, workdir)
+        cells += setup.run(planned, greedy_probes)
+        if setup.greedy is not None:
+            greedy[shape or "model"] = setup.greedy
+    print(format_verdict(target_verdict(cells, peer), peer), flush=True)
     if args.json:
         meta = {
             "host": {**host, "loadavg_1m_at_end": load_1m()},
-            "model": {"path": str(model), "generated_shape": None if args.model else MODEL_SHAPES[args.shape]},
+            "models": [{"shape": shape, "path": str(model), "generated_shape": MODEL_SHAPES[shape] if shape else None}
+                       for shape, model in models],
             "workload": {"num_requests": len(planned), "seed": args.seed, "prompt_tokens": list(args.prompt_tokens),
                          "max_tokens": list(args.max_tokens), "prompt_token_total": sum(p.prompt_tokens for p in planned),
                          "output_token_total": sum(p.max_tokens for p in planned), "stream": True, "ignore_eos": True,
                          "temperature": 0.0},
             "servers": {TOKENLANE: {"overrides": args.overrides, "env": thread_env},
                         peer: {"argv": argv_template, "env": peer_env}},
-            "order": ("per dtype: both servers up at once; per pair and concurrency one run of each, the order "
-                      "flipped every pair" if args.interleave else
-                      "per dtype and pair: tokenlane, then the peer, each a fresh server process that runs every "
-                      "concurrency in turn"),
+            "order": ("per model and dtype: both servers up at once; per pair and concurrency one run of each, the "
+                      "order flipped every pair" if args.interleave else
+                      "per model, dtype and pair: tokenlane, then the peer, each a fresh server process that runs "
+                      "every concurrency in turn"),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report_doc(cells, peer, meta, greedy), indent=2) + "\n")
         print(f"wrote {args.json}")
     print(f"server logs: {workdir}")
     return 0
+
+
+class ModelRuns:
+    """One checkpoint's cells: every dtype, pair and concurrency against both servers, printed
+    as each dtype finishes; the greedy check of its first float32 runs."""
+
+    def __init__(self, shape: Optional[str], model: Path, args: argparse.Namespace, argv_template: list[str],
+                 peer: str, peer_env: dict[str, str], thread_env: dict[str, str], workdir: Path) -> None:
+        self.shape, self.model, self.args = shape, model, args
+        self.argv_template, self.peer, self.peer_env, self.thread_env = argv_template, peer, peer_env, thread_env
+        self.workdir = workdir
+        self.greedy: Optional[dict] = None
+
+    def _servers(self, dtype: str, stem: str) -> dict[str, ServerProcess]:
+        args = self.args
+        stem = f"{self.shape}-{stem}" if self.shape else stem
+        return {
+            TOKENLANE: ServerProcess(tokenlane_config(self.model, dtype, args.overrides), self.workdir,
+                                     f"{stem}-{TOKENLANE}", env=self.thread_env, ready_timeout_s=args.ready_timeout,
+                                     stop_timeout_s=60.0),
+            self.peer: PeerServer(self.argv_template, self.workdir, f"{stem}-{self.peer}", model=self.model,
+                                  dtype=dtype, env=self.peer_env, ready_timeout_s=args.ready_timeout),
+        }
+
+    def run(self, planned: list[PlannedRequest], greedy_probes: list[PlannedRequest]) -> list[Cell]:
+        args, peer = self.args, self.peer
+        cells = [Cell(dtype, conc, shape=self.shape) for dtype in args.dtype for conc in args.concurrency]
+        outputs: dict[str, list[dict]] = {}
+        where = f"{self.shape}, " if self.shape else ""
+        for dtype in args.dtype:
+            row = [c for c in cells if c.dtype == dtype]
+            if args.interleave:
+                servers = self._servers(dtype, dtype)
+                probes = {name: greedy_probes for name in servers if dtype == "float32" and name not in outputs}
+                print(f"{where}{dtype}: {TOKENLANE} and {peer} up at once, {args.pairs} interleaved pairs at "
+                      f"concurrency {args.concurrency} ...", file=sys.stderr, flush=True)
+                for run in run_interleaved(servers, args.pairs, planned, args.concurrency, args.request_timeout, probes):
+                    if run.greedy is not None:
+                        outputs[run.server] = run.greedy
+                    next(c for c in row if c.concurrency == run.concurrency).runs.append(run)
+            else:
+                for pair in range(1, args.pairs + 1):
+                    servers = self._servers(dtype, f"{dtype}-p{pair}")
+                    for name in (TOKENLANE, peer):
+                        probes = greedy_probes if dtype == "float32" and name not in outputs else []
+                        print(f"{where}{dtype}, pair {pair}: {name} at concurrency {args.concurrency} ...",
+                              file=sys.stderr, flush=True)
+                        runs = run_server(servers[name], name, pair, planned, [c.concurrency for c in row],
+                                          args.request_timeout, probes)
+                        for cell, run in zip(row, runs):
+                            if run.greedy is not None:
+                                outputs[name] = run.greedy
+                            cell.runs.append(run)
+            for cell in row:
+                print(format_cell(cell, peer), flush=True)
+        if greedy_probes and len(outputs) == 2:
+            self.greedy = compare_greedy(outputs[TOKENLANE], outputs[peer])
+            print(f"{where}greedy float32 outputs ({self.greedy['requests']} requests, by "
+                  f"{self.greedy['compared_by']}): "
+                  f"{'identical' if not self.greedy['mismatched'] else str(self.greedy['mismatched']) + ' differ'}")
+            for m in self.greedy["mismatches"]:
+                print(f"  request {m['index']}: {TOKENLANE} {m[TOKENLANE]} != {peer} {m['peer']}")
+        elif greedy_probes:
+            print(f"{where}greedy check skipped: no float32 cell in this run")
+        return cells
 
 
 if __name__ == "__main__":

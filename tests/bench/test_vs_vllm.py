@@ -51,38 +51,62 @@ def test_end_to_end_with_tokenlane_as_the_peer(tiny_model_dir, tmp_path, monkeyp
     for key in vs_vllm.METRICS:
         assert cell["medians"]["tokenlane"][key] == by_server["tokenlane"][key]
         assert cell["ratios"][key] == pytest.approx(by_server["tokenlane"][key] / by_server["other"][key])
-    greedy = doc["greedy_check"]
+    greedy = doc["greedy_checks"]["model"]  # --model: one checkpoint, no generated shape
     assert (greedy["requests"], greedy["mismatched"]) == (2, 0)
+    assert doc["models"] == [{"shape": None, "path": str(tiny_model_dir), "generated_shape": None}]
     assert all(r["greedy"] and r["greedy"][0]["text"] for r in first["runs"])
     printed = capsys.readouterr().out
     assert printed.startswith(f"host: {doc['host']['cpus']} CPUs of {doc['host']['cpu']}, {doc['host']['isa_class']}")
     assert "float32, concurrency 2 (1 pair; medians)" in printed and "greedy float32 outputs" in printed
 
 
-def test_interleaved_runs_alternate_two_servers_started_once(tiny_model_dir, tmp_path, monkeypatch):
-    """--interleave: both servers start once per dtype; every pair runs each concurrency
-    against both, the order flipped every pair; the greedy probes ride on each server's
-    first run."""
+def test_interleaved_runs_alternate_two_servers_started_once_per_shape(tmp_path, monkeypatch, capsys):
+    """--interleave: both servers start once per model and dtype; every pair runs each
+    concurrency against both, the order flipped every pair; the greedy probes ride on each
+    server's first run. --shape llama,qwen2 does all of it on one checkpoint, then the other."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # The two shapes as the script generates them, made small so that they train and serve quickly.
+    small = dict(intermediate_size=128, num_layers=1, vocab_size=1024)
+    monkeypatch.setitem(vs_vllm.MODEL_SHAPES, "llama", {**vs_vllm.MODEL_SHAPES["llama"], **small, "hidden_size": 128})
+    monkeypatch.setitem(vs_vllm.MODEL_SHAPES, "qwen2", {**vs_vllm.MODEL_SHAPES["qwen2"], **small})
     out = tmp_path / "vs.json"
+    work = tmp_path / "work"
     code = vs_vllm.main([
-        "--peer-command", PEER_COMMAND, "--peer-name", "other", "--model", str(tiny_model_dir),
-        "--workdir", str(tmp_path / "work"), "--dtype", "float32", "--concurrency", "1,2", "--pairs", "2",
+        "--peer-command", PEER_COMMAND, "--peer-name", "other", "--shape", "llama,qwen2",
+        "--workdir", str(work), "--dtype", "float32", "--concurrency", "1,2", "--pairs", "2",
         "--interleave", "--num-requests", "2", "--prompt-tokens", "8:16", "--max-tokens", "2:4",
         "--greedy-requests", "1", "--request-timeout", "60", "--json", str(out),
     ])
     assert code == 0
     doc = json.loads(out.read_text())
     assert "flipped every pair" in doc["order"]
-    runs = [r for c in doc["cells"] for r in c["runs"]]
-    for cell in doc["cells"]:
-        assert [(r["server"], r["pair"]) for r in cell["runs"]] == [
-            ("tokenlane", 1), ("other", 1), ("other", 2), ("tokenlane", 2)]
-        assert all(r["concurrency"] == cell["concurrency"] and r["failed_requests"] == 0 for r in cell["runs"])
-    for name in ("tokenlane", "other"):
-        assert len({r["startup_s"] for r in runs if r["server"] == name}) == 1  # one start each
-        assert sum(r["greedy"] is not None for r in runs if r["server"] == name) == 1
-    assert (doc["greedy_check"]["requests"], doc["greedy_check"]["mismatched"]) == (1, 0)
+    assert [(c["shape"], c["concurrency"]) for c in doc["cells"]] == [
+        ("llama", 1), ("llama", 2), ("qwen2", 1), ("qwen2", 2)]
+    assert [(m["shape"], m["path"]) for m in doc["models"]] == [("llama", str(work / "model")),
+                                                               ("qwen2", str(work / "model-qwen2"))]
+    assert json.loads((work / "model-qwen2" / "config.json").read_text())["model_type"] == "qwen2"
+    for shape in ("llama", "qwen2"):
+        runs = [r for c in doc["cells"] if c["shape"] == shape for r in c["runs"]]
+        for cell in (c for c in doc["cells"] if c["shape"] == shape):
+            assert [(r["server"], r["pair"]) for r in cell["runs"]] == [
+                ("tokenlane", 1), ("other", 1), ("other", 2), ("tokenlane", 2)]
+            assert all(r["concurrency"] == cell["concurrency"] and r["failed_requests"] == 0 for r in cell["runs"])
+        for name in ("tokenlane", "other"):
+            assert len({r["startup_s"] for r in runs if r["server"] == name}) == 1  # one start each
+            assert sum(r["greedy"] is not None for r in runs if r["server"] == name) == 1
+            # Each shape's servers have their own logs, and tokenlane's config names its checkpoint.
+            assert {r["server_log"] for r in runs if r["server"] == name} == {
+                str(work / f"{shape}-float32-{name}.server.log")}
+        config = (work / f"{shape}-float32-tokenlane.runtime.yaml").read_text()
+        assert str(work / ("model" if shape == "llama" else "model-qwen2")) + "\n" in config
+        checked = doc["greedy_checks"][shape]
+        assert (checked["requests"], checked["mismatched"]) == (1, 0)
+    printed = capsys.readouterr().out
+    assert "qwen2, float32, concurrency 2 (2 pairs; medians)" in printed
+    assert "qwen2, greedy float32 outputs (1 requests, by token_ids): identical" in printed
+    # The verdict covers all four cells, whatever it says of two servers that are the same.
+    assert doc["verdict"]["ranges"]["output_tokens_per_s"] is not None
+    assert "tokenlane / other over the cells: out tok/s " in printed
 
 
 def _run(server: str, pair: int, tok_s: float, tpot: float) -> vs_vllm.Run:
@@ -112,6 +136,34 @@ def test_cell_medians_and_ratios_come_from_each_servers_runs():
     assert tok_row.rstrip().endswith("1.00  0.33, 1.50, 2.00")
     run_rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
     assert [row[:2] for row in run_rows] == [[str(p), s] for p in (1, 2, 3) for s in ("tokenlane", "vllm")]
+
+
+@pytest.mark.parametrize("tok_s, tpot, ttft, misses", [
+    ((140.0, 100.0), (0.08, 0.1), (0.1, 0.1), []),  # 1.4x, 0.8x, 1.0x: met (the bounds are inclusive)
+    ((130.0, 100.0), (0.09, 0.1), (0.1, 0.1), []),  # exactly on every bound
+    ((120.0, 100.0), (0.08, 0.1), (0.1, 0.1), ["output_tokens_per_s"]),
+    ((140.0, 100.0), (0.095, 0.1), (0.12, 0.1), ["tpot_p50_s", "ttft_p50_s"]),
+    ((140.0, 100.0), (None, 0.1), (0.1, 0.1), ["tpot_p50_s"]),  # not measured is not met
+])
+def test_target_verdict_flags_each_cell_and_metric_that_misses(tok_s, tpot, ttft, misses):
+    def run(server, i):
+        metrics = {"output_tokens_per_s": tok_s[i], "tpot_p50_s": tpot[i], "ttft_p50_s": ttft[i], "ttft_p99_s": None}
+        return vs_vllm.Run(server=server, pair=1, concurrency=16, startup_s=1.0, wall_s=1.0, output_tokens=10,
+                           metrics=metrics, failed_requests=0, requests=[])
+
+    passing = vs_vllm.Cell("float32", 64, runs=[_run("tokenlane", 1, 200.0, 0.05), _run("vllm", 1, 100.0, 0.1)],
+                           shape="llama")
+    probed = vs_vllm.Cell("float32", 16, runs=[run("tokenlane", 0), run("vllm", 1)], shape="qwen2")
+    verdict = vs_vllm.target_verdict([passing, probed], "vllm")
+    assert [m["metric"] for m in verdict["misses"]] == misses
+    assert all(m["cell"] == "qwen2, float32, concurrency 16" for m in verdict["misses"])
+    assert verdict["met"] is (not misses)
+    # The ranges span both cells: the passing one is 2.0x tokens/s and 0.5x TPOT.
+    assert verdict["ranges"]["output_tokens_per_s"] == pytest.approx([tok_s[0] / tok_s[1], 2.0])
+    text = vs_vllm.format_verdict(verdict, "vllm")
+    assert text.splitlines()[0].startswith(f"tokenlane / vllm over the cells: out tok/s {tok_s[0] / tok_s[1]:.2f}-2.00x")
+    assert ("every cell meets the targets" in text) is (not misses)
+    assert text.count("misses: qwen2, float32, concurrency 16") == len(misses)
 
 
 def test_greedy_mismatches_are_listed():
@@ -176,6 +228,17 @@ def test_needs_exactly_one_peer(capsys):
         vs_vllm.main(["--pairs", "1"])
     assert exc.value.code == 2
     assert "exactly one of --vllm-python and --peer-command" in capsys.readouterr().err
+
+
+def test_model_and_shape_are_refused_together(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        vs_vllm.main(["--peer-command", PEER_COMMAND, "--model", str(tiny_model_dir), "--shape", "qwen2",
+                      "--workdir", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "give --model or --shape, not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        vs_vllm.main(["--peer-command", PEER_COMMAND, "--shape", "llama,mistral"])
+    assert "expected shapes from llama, qwen2" in capsys.readouterr().err
 
 
 def test_qwen2_shape_writes_qkv_bias_tied_embeddings_and_head_dim_32(tmp_path, monkeypatch):
