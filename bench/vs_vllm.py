@@ -697,16 +697,15 @@ class ModelRuns:
         self.workdir = workdir
         self.greedy: Optional[dict] = None
 
-    def _servers(self, dtype: str, stem: str) -> dict[str, ServerProcess]:
+    def _server(self, name: str, dtype: str, stem: str) -> ServerProcess:
+        """Built right before it starts: its port is picked free at construction."""
         args = self.args
-        stem = f"{self.shape}-{stem}" if self.shape else stem
-        return {
-            TOKENLANE: ServerProcess(tokenlane_config(self.model, dtype, args.overrides), self.workdir,
-                                     f"{stem}-{TOKENLANE}", env=self.thread_env, ready_timeout_s=args.ready_timeout,
-                                     stop_timeout_s=60.0),
-            self.peer: PeerServer(self.argv_template, self.workdir, f"{stem}-{self.peer}", model=self.model,
-                                  dtype=dtype, env=self.peer_env, ready_timeout_s=args.ready_timeout),
-        }
+        stem = f"{self.shape}-{stem}-{name}" if self.shape else f"{stem}-{name}"
+        if name == TOKENLANE:
+            return ServerProcess(tokenlane_config(self.model, dtype, args.overrides), self.workdir, stem,
+                                 env=self.thread_env, ready_timeout_s=args.ready_timeout, stop_timeout_s=60.0)
+        return PeerServer(self.argv_template, self.workdir, stem, model=self.model, dtype=dtype, env=self.peer_env,
+                          ready_timeout_s=args.ready_timeout)
 
     def run(self, planned: list[PlannedRequest], greedy_probes: list[PlannedRequest]) -> list[Cell]:
         args, peer = self.args, self.peer
@@ -716,7 +715,7 @@ class ModelRuns:
         for dtype in args.dtype:
             row = [c for c in cells if c.dtype == dtype]
             if args.interleave:
-                servers = self._servers(dtype, dtype)
+                servers = {name: self._server(name, dtype, dtype) for name in (TOKENLANE, peer)}
                 probes = {name: greedy_probes for name in servers if dtype == "float32" and name not in outputs}
                 print(f"{where}{dtype}: {TOKENLANE} and {peer} up at once, {args.pairs} interleaved pairs at "
                       f"concurrency {args.concurrency} ...", file=sys.stderr, flush=True)
@@ -726,13 +725,12 @@ class ModelRuns:
                     next(c for c in row if c.concurrency == run.concurrency).runs.append(run)
             else:
                 for pair in range(1, args.pairs + 1):
-                    servers = self._servers(dtype, f"{dtype}-p{pair}")
                     for name in (TOKENLANE, peer):
                         probes = greedy_probes if dtype == "float32" and name not in outputs else []
                         print(f"{where}{dtype}, pair {pair}: {name} at concurrency {args.concurrency} ...",
                               file=sys.stderr, flush=True)
-                        runs = run_server(servers[name], name, pair, planned, [c.concurrency for c in row],
-                                          args.request_timeout, probes)
+                        runs = run_server(self._server(name, dtype, f"{dtype}-p{pair}"), name, pair, planned,
+                                          [c.concurrency for c in row], args.request_timeout, probes)
                         for cell, run in zip(row, runs):
                             if run.greedy is not None:
                                 outputs[name] = run.greedy
