@@ -424,12 +424,13 @@ def target_verdict(cells: list[Cell], peer: str) -> dict:
     """Each cell's medians' ratios against TARGETS: the range per metric over the cells, and
     every cell and metric that misses (a metric with no ratio, e.g. every request failed,
     misses too)."""
+    ratios = [(cell, cell.ratios(peer)) for cell in cells]
     ranges: dict[str, Optional[list[float]]] = {}
     misses = []
     for key, (op, bound) in TARGETS.items():
         values = []
-        for cell in cells:
-            ratio = cell.ratios(peer)[key]
+        for cell, cell_ratios in ratios:
+            ratio = cell_ratios[key]
             if ratio is not None:
                 values.append(ratio)
             if ratio is None or (ratio < bound if op == ">=" else ratio > bound):
